@@ -1,0 +1,204 @@
+"""Typed configuration shared by every node: model shape, KV cache, scheduler, sampling.
+
+Frozen dataclasses: built once at the boundary (CLI flags, YAML, HTTP body) and passed
+down unchanged. Cross-field rules live in ``validate()`` with messages a user understands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    #: Llama-3 style rope scaling, as a tuple of (key, value) pairs so the dataclass stays hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    tie_word_embeddings: bool = False
+    #: Qwen2 puts biases on q/k/v projections; Llama and Mistral do not.
+    qkv_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Reads ``path/config.json``; raises ModelLoadError naming what is missing or unsupported."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelLoadError(
+                f"model directory {str(path)!r} does not exist; pass a local Hugging Face "
+                "model directory (config.json, *.safetensors, tokenizer files) or build one "
+                "with `shapeserve demo-model DIR`"
+            )
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_file}; "
+                f"shapeserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = raw.get("rope_scaling")
+        rope_theta = raw.get("rope_theta")
+        # transformers 5 writes rope settings under "rope_parameters".
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("default", "llama3"):
+                raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: llama3)")
+            if kind == "default":
+                rope_scaling = None
+        return cls(
+            path=str(path),
+            architecture=SUPPORTED_ARCHITECTURES[arch],
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=SUPPORTED_ARCHITECTURES[arch] == "qwen2" or bool(raw.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    #: Number of KV blocks in the pool. None: sized from ``kv_cache_memory_gb``.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    #: Tokens computed per engine step, summed over requests (prefill chunks + decodes).
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    #: Largest prompt chunk per request per step; None = up to the token budget.
+    long_prefill_token_threshold: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    #: Torch intra-op threads; None leaves torch's default.
+    num_threads: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> EngineConfig:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {DTYPES}", "dtype")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend {self.attention_backend!r} is unknown; choose one of {ATTENTION_BACKENDS}",
+                "attention_backend",
+            )
+        if self.cache.block_size <= 0 or self.cache.block_size & (self.cache.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.cache.block_size}", "block_size")
+        if self.cache.num_blocks is not None and self.cache.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.cache.num_blocks}", "num_blocks")
+        if self.scheduler.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1", "max_num_batched_tokens")
+        if self.scheduler.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1", "max_num_seqs")
+        return self
+
+    def with_overrides(self, **kwargs: Any) -> EngineConfig:
+        return replace(self, **kwargs).validate()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. ``validate()`` raises InvalidRequestError."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: 0 or -1 disables top-k.
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    #: Do not count or check stop strings inside the returned text (OpenAI default: excluded).
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
+        if len(self.stop) > 16:
+            raise InvalidRequestError("at most 16 stop strings are allowed", "stop")
+        return self

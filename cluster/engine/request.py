@@ -1,0 +1,95 @@
+"""A request inside the engine: its tokens, how many are computed, its blocks, its status.
+
+Only the scheduler changes a request's status, blocks and ``num_computed_tokens``; the
+engine appends sampled tokens. "Prefill" and "decode" are not states: a request simply has
+``num_computed_tokens`` behind ``num_tokens`` by one (decode) or by more (prefill).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.config import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    # Everything from here on is finished: ``status >= FINISHED_STOPPED``.
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI ``finish_reason``."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    #: Keep KV blocks referenced after finishing, until ``LLMEngine.release_kv`` (prefill pool: the
+    #: blocks must outlive the request until KV transfer has sent them).
+    hold_kv_on_finish: bool = False
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    #: Prompt tokens served from the prefix cache when first scheduled (for metrics/usage).
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    #: How many of ``block_ids`` are registered in the prefix cache.
+    num_hashed_blocks: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
