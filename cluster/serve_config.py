@@ -1,0 +1,224 @@
+"""The serving cluster's configuration: one pydantic ``ServeConfig``, loaded from YAML at the edge.
+
+Validated once (field types, ranges, cross-field rules in one validator) into a frozen
+object that is passed to ``build_app`` and bound into every deployment unchanged. Engine
+configs for each pool are derived from it (``engine_config(pool)``), so the engine itself
+never sees pydantic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from cluster.errors import ConfigError
+
+TRANSPORTS = ("auto", "ray", "grpc", "gloo", "nccl")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AutoscalingThresholds(_Frozen):
+    """Thresholds the custom autoscaling policies in ``cluster/autoscaling.py`` read."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    #: prefill: queued prefill tokens one replica should carry; scale to queued / this.
+    target_queued_prefill_tokens_per_replica: int = Field(4096, ge=1)
+    #: decode: scale up above this KV block use (0..1), down below ``kv_usage_scale_down``.
+    kv_usage_scale_up: float = Field(0.8, gt=0, le=1)
+    kv_usage_scale_down: float = Field(0.3, ge=0, lt=1)
+    #: decode: running sequences one replica should carry.
+    target_running_seqs_per_replica: int = Field(64, ge=1)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+
+class PoolConfig(_Frozen):
+    """One pool (prefill or decode): its replicas, placement and engine budgets."""
+
+    num_replicas: int = Field(1, ge=1)
+    #: Custom Ray resources each replica needs, e.g. ``{"prefill": 1}`` to land on prefill nodes.
+    resources: dict[str, float] = Field(default_factory=dict)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    #: Requests a replica accepts at once (Serve's ``max_ongoing_requests``).
+    max_ongoing_requests: int = Field(256, ge=1)
+    num_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(128, ge=1)
+    long_prefill_token_threshold: int | None = Field(None, ge=1)
+    #: Torch threads per replica; None leaves torch's default.
+    num_threads: int | None = Field(None, ge=1)
+    autoscaling: AutoscalingThresholds | None = None
+
+
+class ClassifierConfig(_Frozen):
+    """Thresholds of the geometry classifier (``router/classifier.py``)."""
+
+    #: Requests with at most this many uncached prompt tokens prefill on their decode replica.
+    local_max_uncached_tokens: int = Field(64, ge=0)
+    #: Priority >= this may use ``priority_headroom`` beyond the class budget.
+    high_priority: int = 1
+    priority_headroom: float = Field(0.25, ge=0)
+    #: KV formats the prefill pool can hand over; another format always prefills locally.
+    remote_kv_formats: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+class ClassBudget(_Frozen):
+    """Admission budget of one route class, per router replica."""
+
+    max_inflight_requests: int = Field(64, ge=1)
+    #: Sum over admitted requests of prompt_tokens + max_tokens.
+    max_inflight_tokens: int = Field(65536, ge=1)
+
+
+class AdmissionConfig(_Frozen):
+    local: ClassBudget = ClassBudget()
+    remote: ClassBudget = ClassBudget()
+    #: Retry-After bounds (seconds).
+    min_retry_after_s: int = Field(1, ge=1)
+    max_retry_after_s: int = Field(60, ge=1)
+    #: Throughput assumed before any request finished (tokens/s per class).
+    initial_tokens_per_s: float = Field(200.0, gt=0)
+
+
+class TimeoutConfig(_Frozen):
+    #: Whole request, arrival to last token.
+    request_timeout_s: float = Field(300.0, gt=0)
+    #: One prefill attempt on a prefill replica, including the KV push (the lease deadline).
+    prefill_timeout_s: float = Field(30.0, gt=0)
+    #: Attempts on prefill replicas before the decode replica prefills locally.
+    max_prefill_attempts: int = Field(2, ge=1)
+    #: Waiting for free KV blocks to reserve for a remote prefill before prefilling locally.
+    reserve_timeout_s: float = Field(5.0, ge=0)
+
+
+class SLOConfig(_Frozen):
+    """Targets for goodput: a request counts as good when it meets both."""
+
+    ttft_ms: float = Field(2000.0, gt=0)
+    tpot_ms: float = Field(200.0, gt=0)
+
+
+class ServeConfig(_Frozen):
+    #: Local Hugging Face model directory; None: the built-in demo model (built into a cache dir).
+    model: str | None = None
+    #: Name clients pass as ``model``; defaults to the directory name.
+    served_model_name: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    router_replicas: int = Field(1, ge=1)
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    classifier: ClassifierConfig = ClassifierConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    slo: SLOConfig = SLOConfig()
+    #: KV data plane: "ray" moves blocks as Ray objects (portable, in-tree); others via kv_transfer.
+    transport: Literal["auto", "ray", "grpc", "gloo", "nccl"] = "auto"
+    #: How often replicas report routing stats to Serve's request routers.
+    routing_stats_period_s: float = Field(0.5, gt=0)
+    #: Expose ``/admin/pools`` (block counts, integrity) for tests and operators.
+    enable_admin_api: bool = True
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ServeConfig:
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype not in DTYPES:  # pragma: no cover - Literal already checks
+            raise ValueError(f"dtype must be one of {DTYPES}")
+        for name in ("prefill", "decode"):
+            pool: PoolConfig = getattr(self, name)
+            a = pool.autoscaling
+            if a is not None and a.min_replicas > a.max_replicas:
+                raise ValueError(f"{name}.autoscaling: min_replicas {a.min_replicas} > max_replicas {a.max_replicas}")
+            if a is not None and a.kv_usage_scale_down >= a.kv_usage_scale_up:
+                raise ValueError(f"{name}.autoscaling: kv_usage_scale_down must be below kv_usage_scale_up")
+        if self.admission.min_retry_after_s > self.admission.max_retry_after_s:
+            raise ValueError("admission.min_retry_after_s must not exceed max_retry_after_s")
+        return self
+
+    # ---- derived ---------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if self.model else "demo"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def engine_config(self, pool: Literal["prefill", "decode"], model_dir: str) -> EngineConfig:
+        """The engine config of one pool's replica (plain frozen dataclass, validated)."""
+        p: PoolConfig = getattr(self, pool)
+        return EngineConfig(
+            model=model_dir,
+            dtype=self.dtype,
+            device=self.resolved_device(),
+            attention_backend=self.attention_backend,
+            num_threads=p.num_threads,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=p.num_blocks,
+                kv_cache_memory_gb=p.kv_cache_memory_gb,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=p.max_num_batched_tokens,
+                max_num_seqs=p.max_num_seqs,
+                long_prefill_token_threshold=p.long_prefill_token_threshold,
+            ),
+        ).validate()
+
+    def with_overrides(self, **kwargs) -> ServeConfig:
+        """A copy with top-level fields replaced (None values are ignored), validated again."""
+        data = self.model_dump()
+        data.update({k: v for k, v in kwargs.items() if v is not None})
+        return parse_serve_config(data)
+
+
+def parse_serve_config(data: dict | None, source: str = "config") -> ServeConfig:
+    """Validates a mapping; raises ConfigError naming the field and what to change."""
+    try:
+        return ServeConfig.model_validate(data or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise ConfigError(f"{source}: {where}: {err['msg']}", where) from None
+
+
+def load_serve_config(path: str | Path | None) -> ServeConfig:
+    """Reads a ServeConfig YAML (or defaults when ``path`` is None)."""
+    if path is None:
+        return ServeConfig()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    # A Serve-style file may nest ours under "shapeserve:".
+    if raw and "shapeserve" in raw and isinstance(raw["shapeserve"], dict):
+        raw = raw["shapeserve"]
+    return parse_serve_config(raw, str(path))

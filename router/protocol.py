@@ -1,0 +1,259 @@
+"""The OpenAI-compatible wire format: request bodies, response bodies, error bodies.
+
+Request bodies are validated once here (pydantic) and turned into the engine's frozen
+``SamplingParams``; nothing past the edge sees a dict. Unknown fields are ignored (clients
+send many), unsupported ones that would change the result (``n > 1``, ``echo``) are 400s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cluster.config import SamplingParams
+from cluster.errors import InvalidRequestError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _CommonRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # shapeserve extensions
+    top_k: int = 0
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("presence/frequency penalties are not supported; leave them at 0")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _want_logprobs(self) -> bool:
+        return False
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's params; raises InvalidRequestError naming the bad field."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        max_tokens = self._max_tokens()
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self._want_logprobs(),
+        ).validate()
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("one prompt per request is supported; send a batch as separate requests")
+            v = v[0]
+        if isinstance(v, (str, list)) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def _want_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _want_logprobs(self) -> bool:
+        return self.logprobs
+
+    def conversation(self) -> list[dict[str, str]]:
+        try:
+            return [{"role": m.role, "content": m.text()} for m in self.messages]
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "messages") from None
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered at the edge with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        err_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.param, self.code)
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 that names the field."""
+    err = e.errors()[0]
+    # Union members add their type name to ``loc``; the first element is the field a user wrote.
+    param = str(err["loc"][0]) if err["loc"] else None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        msg = f"missing required field {param!r}"
+    else:
+        msg = f"invalid value for {param!r}: {msg}"
+    return APIError(400, msg, "invalid_request_error", param, err["type"])
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Bytes -> validated request model; APIError(400) on malformed JSON or bad fields."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+# ---- responses ------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_choice(
+    kind: Literal["completion", "chat"],
+    text: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+    logprobs: list[float] | None,
+    stream: bool,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    if kind == "completion":
+        choice["text"] = text
+        choice["logprobs"] = {"token_logprobs": logprobs} if logprobs is not None else None
+    else:
+        key = "delta" if stream else "message"
+        choice[key] = {"role": "assistant", "content": text}
+        choice["logprobs"] = (
+            {"content": [{"token": "", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in logprobs]}
+            if logprobs is not None
+            else None
+        )
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def response_envelope(kind: Literal["completion", "chat"], rid: str, model: str, stream: bool) -> dict[str, Any]:
+    obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if stream else "chat.completion"}[kind]
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()

@@ -1,0 +1,110 @@
+"""Request validation at the edge and the OpenAI-style error bodies (no Ray)."""
+
+import json
+
+import pytest
+
+from cluster.errors import ConfigError, InvalidRequestError
+from cluster.serve_config import ServeConfig, load_serve_config, parse_serve_config
+from router.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+
+
+def body(**kw):
+    return json.dumps(kw).encode()
+
+
+def test_malformed_json_is_400_with_openai_body():
+    with pytest.raises(APIError) as e:
+        parse_body(b"{not json", CompletionRequest)
+    assert e.value.status == 400
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_field_names_it():
+    with pytest.raises(APIError) as e:
+        parse_body(body(model="m"), CompletionRequest)
+    assert e.value.param == "prompt" and "missing" in e.value.message
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(APIError) as e:
+        parse_body(body(model="m", prompt="hi", max_tokens="many"), CompletionRequest)
+    assert e.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("field,value", [("n", 2), ("echo", True), ("presence_penalty", 0.5), ("prompt", "")])
+def test_unsupported_values_are_400(field, value):
+    kw = {"model": "m", "prompt": "hi", field: value}
+    with pytest.raises(APIError) as e:
+        parse_body(body(**kw), CompletionRequest)
+    assert e.value.param == field
+
+
+def test_sampling_params_and_extensions():
+    req = parse_body(
+        body(model="m", prompt=[5, 6, 7], max_tokens=3, temperature=0, top_k=5, seed=1, ignore_eos=True,
+             stop="x", return_token_ids=True, stream=True, stream_options={"include_usage": True}),
+        CompletionRequest,
+    )
+    p = req.sampling_params(default_max_tokens=16)
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.ignore_eos, p.stop) == (3, 0.0, 5, 1, True, ("x",))
+    assert req.prompt == [5, 6, 7] and req.include_usage and req.return_token_ids
+
+
+def test_sampling_params_invalid_raise_named_error():
+    req = parse_body(body(model="m", prompt="hi", top_p=0), CompletionRequest)
+    with pytest.raises(InvalidRequestError) as e:
+        req.sampling_params(16)
+    assert e.value.param == "top_p"
+    req = parse_body(body(model="m", prompt="hi", max_tokens=0), CompletionRequest)
+    with pytest.raises(InvalidRequestError):
+        req.sampling_params(16)
+
+
+def test_chat_max_completion_tokens_wins_and_parts_join():
+    req = parse_body(
+        body(model="m", max_tokens=5, max_completion_tokens=7,
+             messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
+        ChatCompletionRequest,
+    )
+    assert req.sampling_params(16).max_tokens == 7
+    assert req.conversation() == [{"role": "user", "content": "ab"}]
+
+
+def test_chat_requires_messages():
+    with pytest.raises(APIError) as e:
+        parse_body(body(model="m", messages=[]), ChatCompletionRequest)
+    assert e.value.param == "messages"
+
+
+def test_error_body_shape():
+    assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+
+
+def test_serve_config_defaults_and_engine_config():
+    cfg = ServeConfig()
+    assert (cfg.host, cfg.port, cfg.model_name) == ("127.0.0.1", 8000, "demo")
+    ec = cfg.with_overrides(device="cpu").engine_config("prefill", "/m")
+    assert ec.model == "/m" and ec.cache.block_size == 16 and ec.device == "cpu"
+
+
+def test_serve_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_serve_config({"decode": {"num_replicas": 0}})
+    assert "decode.num_replicas" in str(e.value)
+    with pytest.raises(ConfigError):
+        parse_serve_config({"block_size": 12})
+    with pytest.raises(ConfigError):
+        parse_serve_config({"nonsense": 1})
+    f = tmp_path / "c.yaml"
+    f.write_text("shapeserve:\n  port: 9000\n  classifier:\n    local_max_uncached_tokens: 8\n")
+    cfg = load_serve_config(f)
+    assert cfg.port == 9000 and cfg.classifier.local_max_uncached_tokens == 8
+
+
+def test_deploy_serve_yaml_is_valid():
+    from pathlib import Path
+
+    for f in sorted(Path(__file__).resolve().parents[2].glob("deploy/shapeserve*.yaml")):
+        load_serve_config(f)
