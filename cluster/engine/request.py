@@ -59,6 +59,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     #: How many of ``block_ids`` are registered in the prefix cache.
     num_hashed_blocks: int = 0
+    #: Chained hashes of the request's full blocks computed so far (token content only, so they
+    #: stay valid across preemption).
+    block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
 

@@ -1,0 +1,275 @@
+"""The engine both pools run: add / abort requests, and ``step()`` = schedule -> run -> postprocess.
+
+Single-threaded by design: a pool replica owns one engine and calls it from one thread.
+Runs without Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import EngineConfig, ModelConfig, SamplingParams
+from cluster.engine.attention import get_attention_backend
+from cluster.engine.block_pool import BlockPool
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for_memory, torch_dtype
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.engine.weights import load_model
+from cluster.errors import InvalidRequestError, ModelLoadError
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole output)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    new_logprobs: tuple[float, ...]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class RemoteKVReservation:
+    block_ids: tuple[int, ...]
+    #: Leading prompt tokens already in this pool's prefix cache: their blocks need no transfer.
+    num_cached_tokens: int
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a broken directory
+        raise ModelLoadError(f"cannot load the tokenizer from {path!r}: {e}") from e
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.max_model_len = self.model_config.max_position_embeddings
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.model = load_model(self.model_config, torch_dtype(config.dtype), config.device)
+
+        cache = config.cache
+        num_blocks = cache.num_blocks or num_blocks_for_memory(
+            self.model_config, cache.block_size, config.dtype, cache.kv_cache_memory_gb
+        )
+        self.kv_layout = KVLayout.for_model(self.model_config, cache.block_size, config.dtype, num_blocks)
+        self.kv_cache = allocate_kv_cache(self.kv_layout, config.device)
+        self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, cache, self.block_pool, self.max_model_len)
+        self.backend = get_attention_backend(config.attention_backend, config.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, cache.block_size, config.device)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._finished_outputs: list[RequestOutput] = []
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError if the request can never run here. Does not modify the engine."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len}; "
+                "shorten the prompt (it must leave room for at least one generated token)",
+                "prompt",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        longest = min(n + params.max_tokens, self.max_model_len)
+        blocks = -(-longest // self.kv_layout.block_size)
+        if blocks > self.kv_layout.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {blocks} KV blocks but this worker's pool has "
+                f"{self.kv_layout.num_blocks}; lower max_tokens or give the KV cache more memory",
+                "max_tokens",
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv_on_finish: bool = False
+    ) -> None:
+        self._admit(request_id, prompt_token_ids, params, hold_kv_on_finish)
+        self.scheduler.add(self.requests[request_id])
+
+    def _admit(self, request_id, prompt_token_ids, params, hold_kv_on_finish=False) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, hold_kv_on_finish=hold_kv_on_finish)
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        """Frees the request's blocks at once. Idempotent; safe for unknown or finished ids."""
+        req = self.requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if req is None:
+            return
+        if req.is_finished:
+            self.scheduler.release_blocks(req)  # a held prefill result
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._finished_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.remote)
+
+    # ---- disaggregation ------------------------------------------------------------------------
+
+    def held_kv_blocks(self, request_id: str) -> list[int]:
+        """Block ids holding a finished ``hold_kv_on_finish`` request's prompt KV."""
+        req = self.requests[request_id]
+        return list(req.block_ids[: -(-req.num_prompt_tokens // self.kv_layout.block_size)])
+
+    def release_kv(self, request_id: str) -> None:
+        """Drops a held request and its blocks. Idempotent."""
+        self.abort_request(request_id)
+
+    def reserve_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RemoteKVReservation | None:
+        req = self._admit(request_id, prompt_token_ids, params)
+        if not self.scheduler.reserve_remote(req):
+            del self.requests[request_id]
+            del self._detok[request_id]
+            return None
+        return RemoteKVReservation(tuple(req.block_ids), req.num_cached_tokens)
+
+    def complete_remote_kv(self, request_id: str, first_token_id: int, first_logprob: float | None = None) -> None:
+        req = self.requests[request_id]
+        self.scheduler.complete_remote(req, first_token_id)
+        if first_logprob is not None:
+            req.output_logprobs.append(first_logprob)
+        # The first token came from the prefill worker; report it (and stop on it) like a sampled one.
+        self._finished_outputs.extend(self._postprocess_tokens([(req, first_token_id, first_logprob)]))
+
+    def fallback_to_local_prefill(self, request_id: str) -> None:
+        self.scheduler.fallback_to_local(self.requests[request_id])
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._finished_outputs = self._finished_outputs, []
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return outputs
+        run_out = self.runner.execute(sched_out)
+        return outputs + self._postprocess(sched_out, run_out.sampled)
+
+    def _postprocess(self, sched_out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[RequestOutput]:
+        self.scheduler.update_after_step(sched_out)
+        fresh = []
+        for s in sched_out.scheduled:
+            req = s.request
+            if req.request_id in sampled:
+                token, logprob = sampled[req.request_id]
+                req.output_token_ids.append(token)
+                if logprob is not None:
+                    req.output_logprobs.append(logprob)
+                fresh.append((req, token, logprob))
+        return self._postprocess_tokens(fresh)
+
+    def _postprocess_tokens(self, fresh) -> list[RequestOutput]:
+        outputs = []
+        for req, token, logprob in fresh:
+            detok = self._detok[req.request_id]
+            before = len(detok.text)
+            detok.push([token])
+            status = self._stop_status(req, token)
+            text = detok.text
+            stop_at = self._find_stop_string(req, text, before)
+            if stop_at is not None:
+                text, status = text[:stop_at], RequestStatus.FINISHED_STOPPED
+            elif status is not None:
+                detok.flush()
+                text = detok.text
+            detok.text = text
+            new_text = text[before:]
+            if status is not None:
+                self.scheduler.finish(req, status, release_blocks=not req.hold_kv_on_finish)
+                if not req.hold_kv_on_finish:
+                    self.requests.pop(req.request_id, None)
+                self._detok.pop(req.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=(token,),
+                    new_text=new_text,
+                    new_logprobs=(logprob,) if logprob is not None else (),
+                    finished=status is not None,
+                    finish_reason=status.finish_reason if status is not None else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=len(req.output_token_ids),
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _find_stop_string(req: Request, text: str, before: int) -> int | None:
+        """Where the returned text ends if a stop string completed in the new text, else None."""
+        if not req.params.stop:
+            return None
+        best = None
+        for stop in req.params.stop:
+            i = text.find(stop, max(0, before - len(stop) + 1))
+            if i != -1:
+                end = i + len(stop) if req.params.include_stop_str_in_output else i
+                best = end if best is None else min(best, end)
+        return best
+
+    # ---- convenience -----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Runs prompts to completion; returns per prompt {token_ids, text, finish_reason, logprobs}."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        results = {rid: {"token_ids": [], "text": "", "finish_reason": None, "logprobs": []} for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                r = results[out.request_id]
+                r["token_ids"].extend(out.new_token_ids)
+                r["text"] += out.new_text
+                r["logprobs"].extend(out.new_logprobs)
+                if out.finished:
+                    r["finish_reason"] = out.finish_reason
+        return [results[rid] for rid in ids]

@@ -1,0 +1,82 @@
+"""Turns a ``SchedulerOutput`` into one model forward and one sampling pass.
+
+Builds the flat token batch (input ids, positions, KV slots) and the attention metadata
+with numpy, runs the model over every scheduled token at once, computes logits only for
+rows that sample, and returns a plain ``RunnerOutput``. It never changes request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.model import LlamaForCausalLM
+from cluster.engine.sampler import sample
+from cluster.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    #: request id -> (sampled token id, logprob or None), for requests whose step reached their last token.
+    sampled: dict[str, tuple[int, float | None]]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int, device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        reqs = [s.request for s in out.scheduled]
+        qlens = [s.num_tokens for s in out.scheduled]
+        starts = [r.num_computed_tokens for r in reqs]
+        seq_lens = [s + q for s, q in zip(starts, qlens)]
+        token_ids = np.fromiter(
+            (t for r, s, n in zip(reqs, starts, seq_lens) for t in r.tokens(s, n)), dtype=np.int64, count=sum(qlens)
+        )
+        # positions: start..start+qlen-1 for every request, vectorized via repeat + a running offset.
+        qlens_np = np.asarray(qlens, dtype=np.int64)
+        cu = np.zeros(len(qlens) + 1, dtype=np.int64)
+        np.cumsum(qlens_np, out=cu[1:])
+        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts, dtype=np.int64), qlens_np)
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            block_table[i, : len(r.block_ids)] = r.block_ids
+        seq_index = np.repeat(np.arange(len(reqs)), qlens_np)
+        slots = block_table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for q in qlens if q == 1),
+            seq_lens_list=tuple(seq_lens),
+            query_lens_list=tuple(qlens),
+        )
+        return torch.from_numpy(token_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        input_ids, positions, meta = self.prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        sampling = [i for i, s in enumerate(out.scheduled) if s.samples]
+        if not sampling:
+            return RunnerOutput({})
+        last_rows = meta.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last_rows[sampling]])
+        reqs = [out.scheduled[i].request for i in sampling]
+        result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return RunnerOutput(
+            {r.request_id: (t, lp) for r, t, lp in zip(reqs, result.token_ids, result.logprobs)}
+        )

@@ -1,0 +1,76 @@
+"""Token sampling for a batch of requests in one pass.
+
+Greedy rows take the argmax. Random rows apply temperature, then top-k and top-p on one
+sorted copy of the logits, then sample with the exponential-race trick
+(argmax(p / q), q ~ Exp(1)), which equals drawing from p and lets requests with a seed use
+their own generator for q while the rest share one batched draw.
+Logprobs are of the chosen token under the model's raw distribution (before temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    #: Logprob of each chosen token, or None where the request did not ask for logprobs.
+    logprobs: list[float | None]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplerOutput:
+    """logits: [batch, vocab] float32, one row per request. Does not modify ``logits``."""
+    batch, vocab = logits.shape
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        chosen = logits.argmax(dim=-1)
+    else:
+        chosen = _sample_random(logits, params, generators, greedy)
+    token_ids = chosen.tolist()
+    logprobs: list[float | None] = [None] * batch
+    wants = [i for i, p in enumerate(params) if p.logprobs]
+    if wants:
+        rows = torch.tensor(wants)
+        lp = torch.log_softmax(logits[rows], dim=-1).gather(1, chosen[rows, None]).squeeze(1).tolist()
+        for i, v in zip(wants, lp):
+            logprobs[i] = v
+    return SamplerOutput(token_ids, logprobs)
+
+
+def _sample_random(logits, params, generators, greedy) -> torch.Tensor:
+    batch, vocab = logits.shape
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
+    scaled = logits / temps[:, None]
+    top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        scaled = _apply_top_k_top_p(scaled, torch.tensor(top_ks), torch.tensor(top_ps, dtype=torch.float32))
+    probs = torch.softmax(scaled, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None and not greedy[i]:
+            noise[i].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    if any(greedy):
+        sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+    return sampled
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf every logit outside each row's top-k and top-p set; always keeps the best token."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
