@@ -120,7 +120,7 @@ class CacheConfig:
     block_size: int = 16
     #: Number of KV blocks in the pool. None: sized from ``kv_cache_memory_gb``.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = 0.5
     enable_prefix_caching: bool = True
 
 

@@ -1,0 +1,153 @@
+"""Offline batch inference in the OpenAI Batch file format (``shapeserve run-batch``).
+
+Input: one JSON object per line, ``{"custom_id", "method": "POST", "url": "/v1/completions" |
+"/v1/chat/completions", "body": {...}}``. Output: one line per input line, in input order,
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
+Every line runs through one engine with continuous batching. A line that cannot be parsed
+or validated gets an error record; the other lines still run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from pydantic import BaseModel
+
+from cluster.config import SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.errors import ShapeserveError
+from cluster.prompting import encode_chat, encode_prompt
+from router.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_choice,
+    new_id,
+    parse_body,
+    response_envelope,
+    usage,
+)
+
+_ENDPOINTS: dict[str, tuple[str, type[BaseModel]]] = {
+    "/v1/completions": ("completion", CompletionRequest),
+    "/v1/chat/completions": ("chat", ChatCompletionRequest),
+}
+
+
+@dataclass
+class _Line:
+    index: int
+    custom_id: str | None
+    kind: str = ""
+    request: BaseModel | None = None
+    return_token_ids: bool = False
+    want_logprobs: bool = False
+    error: dict[str, Any] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+def _error(status: int, code: str, message: str) -> dict[str, Any]:
+    return {"status_code": status, "code": code, "message": message}
+
+
+def _parse_line(index: int, raw: str, engine: LLMEngine, model_name: str) -> tuple[_Line, list[int], SamplingParams | None]:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return _Line(index, None, error=_error(400, "invalid_json", f"line {index + 1} is not valid JSON: {e}")), [], None
+    if not isinstance(obj, dict):
+        return _Line(index, None, error=_error(400, "invalid_json", f"line {index + 1} is not a JSON object")), [], None
+    line = _Line(index, obj.get("custom_id"))
+    url, method, body = obj.get("url"), obj.get("method", "POST"), obj.get("body")
+    if url not in _ENDPOINTS:
+        line.error = _error(400, "invalid_url", f"url {url!r} is not supported; use one of {sorted(_ENDPOINTS)}")
+        return line, [], None
+    if method != "POST":
+        line.error = _error(400, "invalid_method", f"method {method!r} is not supported; use POST")
+        return line, [], None
+    if not isinstance(body, dict):
+        line.error = _error(400, "invalid_body", "body must be a JSON object")
+        return line, [], None
+    line.kind, model_cls = _ENDPOINTS[url]
+    try:
+        req = parse_body(json.dumps({"model": model_name, **body}).encode(), model_cls)
+        if isinstance(req, ChatCompletionRequest):
+            prompt_ids = encode_chat(engine.tokenizer, req.conversation(), req.add_generation_prompt)
+        else:
+            prompt_ids = encode_prompt(engine.tokenizer, req.prompt)
+        default_max = max(1, engine.max_model_len - len(prompt_ids))
+        params = req.sampling_params(default_max_tokens=min(16, default_max) if line.kind == "completion" else default_max)
+        engine.check_request(prompt_ids, params)
+    except APIError as e:
+        line.error = _error(e.status, e.code or e.err_type, e.message)
+        return line, [], None
+    except ShapeserveError as e:
+        line.error = _error(e.http_status, e.error_type, e.message)
+        return line, [], None
+    line.request = req
+    line.return_token_ids = req.return_token_ids
+    line.want_logprobs = params.logprobs
+    line.num_prompt_tokens = len(prompt_ids)
+    return line, prompt_ids, params
+
+
+def _record(line: _Line, model_name: str) -> dict[str, Any]:
+    rid = f"batch_req_{uuid.uuid4().hex[:24]}"
+    if line.error is not None:
+        return {
+            "id": rid,
+            "custom_id": line.custom_id,
+            "response": {
+                "status_code": line.error["status_code"],
+                "request_id": rid,
+                "body": {"error": {"message": line.error["message"], "type": "invalid_request_error", "code": line.error["code"]}},
+            },
+            "error": {"code": line.error["code"], "message": line.error["message"]},
+        }
+    body = response_envelope(line.kind, new_id("cmpl" if line.kind == "completion" else "chatcmpl"), model_name, stream=False)
+    body["choices"] = [
+        completion_choice(
+            line.kind,
+            line.text,
+            line.finish_reason,
+            line.token_ids if line.return_token_ids else None,
+            line.logprobs if line.want_logprobs else None,
+            stream=False,
+        )
+    ]
+    body["usage"] = usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens)
+    return {"id": rid, "custom_id": line.custom_id, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def run_batch(engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: str) -> tuple[int, int]:
+    """Runs every line of ``infile``; writes records to ``outfile`` in input order. Returns (ok, failed)."""
+    lines: list[_Line] = []
+    for index, raw in enumerate(infile):
+        if not raw.strip():
+            continue
+        line, prompt_ids, params = _parse_line(index, raw, engine, model_name)
+        lines.append(line)
+        if line.error is None:
+            engine.add_request(str(index), prompt_ids, params)
+    by_index = {str(line.index): line for line in lines}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            line = by_index[out.request_id]
+            line.token_ids.extend(out.new_token_ids)
+            line.text += out.new_text
+            line.logprobs.extend(out.new_logprobs)
+            line.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                line.finish_reason = out.finish_reason
+    for line in lines:
+        outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
+    failed = sum(1 for line in lines if line.error is not None)
+    return len(lines) - failed, failed

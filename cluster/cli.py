@@ -1,0 +1,131 @@
+"""The ``shapeserve`` command: serve, run-batch, demo-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cluster.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from cluster.errors import ShapeserveError
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto: triton on CUDA, torch on CPU")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory-gb)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="KV pool size when --num-blocks is not given")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None, help="largest prompt chunk per step")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=str(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        num_threads=args.threads,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        ),
+    ).validate()
+
+
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    from cluster.batch import run_batch
+    from cluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    model_name = args.served_model_name or Path(args.model).name
+    with open(args.input, encoding="utf-8") as fin, open(args.output, "w", encoding="utf-8") as fout:
+        ok, failed = run_batch(engine, fin, fout, model_name)
+    print(f"run-batch: {ok} succeeded, {failed} failed -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo_model(args: argparse.Namespace) -> int:
+    from cluster.demo_model import DemoModelSpec, write_demo_model
+
+    spec = DemoModelSpec(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=args.tie_word_embeddings,
+        architecture=args.architecture,
+        seed=args.seed,
+    )
+    path = write_demo_model(args.dir, spec)
+    print(f"wrote demo model to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shapeserve", description="Disaggregated LLM serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server (local Ray by default)")
+    try:
+        from cluster import serve_cli
+    except ImportError as e:  # the serving stack failed to import: say why when `serve` is used
+        serve.set_defaults(func=lambda _args, e=e: _fail(f"serving is unavailable: {e}"))
+    else:
+        serve_cli.add_arguments(serve)
+        serve.set_defaults(func=serve_cli.run)
+
+    rb = sub.add_parser("run-batch", help="offline batch inference on an OpenAI Batch file")
+    rb.add_argument("-i", "--input", required=True, help="input .jsonl (OpenAI Batch format)")
+    rb.add_argument("-o", "--output", required=True, help="output .jsonl")
+    rb.add_argument("--model", required=True, help="local Hugging Face model directory")
+    rb.add_argument("--served-model-name", default=None)
+    add_engine_arguments(rb)
+    rb.set_defaults(func=_cmd_run_batch)
+
+    dm = sub.add_parser("demo-model", help="write a small random-weight Llama with a tokenizer")
+    dm.add_argument("dir")
+    dm.add_argument("--vocab-size", type=int, default=512)
+    dm.add_argument("--hidden-size", type=int, default=64)
+    dm.add_argument("--intermediate-size", type=int, default=128)
+    dm.add_argument("--num-layers", type=int, default=2)
+    dm.add_argument("--num-heads", type=int, default=4)
+    dm.add_argument("--num-kv-heads", type=int, default=2)
+    dm.add_argument("--max-position-embeddings", type=int, default=1024)
+    dm.add_argument("--tie-word-embeddings", action="store_true")
+    dm.add_argument("--architecture", default="llama", choices=["llama", "mistral", "qwen2"])
+    dm.add_argument("--seed", type=int, default=0)
+    dm.set_defaults(func=_cmd_demo_model)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"shapeserve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ShapeserveError as e:
+        return _fail(e.message)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
