@@ -1,0 +1,37 @@
+"""Shared fixtures: small random-weight models built once per session (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.demo_model import DemoModelSpec, write_demo_model
+
+# Three shapes for parity with transformers: MHA + untied, GQA + tied, Qwen2 (q/k/v biases) + GQA.
+PARITY_SPECS = {
+    "llama-mha-untied": DemoModelSpec(num_heads=4, num_kv_heads=4, tie_word_embeddings=False, seed=1),
+    "llama3-gqa-tied": DemoModelSpec(
+        hidden_size=64, num_heads=8, num_kv_heads=2, tie_word_embeddings=True, llama3_rope_factor=8.0, seed=2
+    ),
+    "qwen2-gqa-bias": DemoModelSpec(architecture="qwen2", num_heads=4, num_kv_heads=2, num_layers=3, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """model_factory(name_or_spec) -> path of a model directory, built once per session."""
+    cache: dict = {}
+
+    def build(spec: str | DemoModelSpec = "default"):
+        if isinstance(spec, str):
+            spec = PARITY_SPECS.get(spec, DemoModelSpec())
+        if spec not in cache:
+            cache[spec] = write_demo_model(tmp_path_factory.mktemp("model"), spec)
+        return cache[spec]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def demo_model(model_factory):
+    """The default demo model directory (Llama, GQA 4:2, vocab 512)."""
+    return model_factory("default")
