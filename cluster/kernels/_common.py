@@ -43,8 +43,8 @@ def check_tensor(
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name} has shape {list(t.shape)}, expected {want}")
     if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}, expected one of: {names}")
+        names = ", ".join(_name(d) for d in dtypes)
+        raise ValueError(f"{name} has dtype {_name(t.dtype)}, expected one of: {names}")
     if last_dim_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {tuple(t.stride())}")
 
@@ -54,7 +54,13 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
     first = tensors[names[0]].dtype
     for n in names[1:]:
         if tensors[n].dtype != first:
-            raise ValueError(f"{n} has dtype {tensors[n].dtype} but {names[0]} has {first}; they must match")
+            raise ValueError(
+                f"{names[0]} has dtype {_name(first)} but {n} has {_name(tensors[n].dtype)}; they must match"
+            )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

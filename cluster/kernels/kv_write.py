@@ -50,8 +50,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
     v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
 
 
 def write_kv(
@@ -78,6 +78,9 @@ def write_kv(
     check_device(_write_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
         return
+    if key.dtype != k_cache.dtype:
+        # Rare (the engine writes in the cache dtype); torch's cast rounds exactly as the reference.
+        key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
