@@ -85,5 +85,6 @@ def dot_config(kernel, dtype: torch.dtype) -> dict:
 def dot(a, b, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation."""
     if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
