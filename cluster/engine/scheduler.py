@@ -67,11 +67,9 @@ class Scheduler:
         """Allocates blocks for the whole prompt of a request whose KV will be pushed by a prefill
         worker, reusing local prefix-cache hits. Returns False (and changes nothing) if blocks are short."""
         hits = self._prefix_hits(request)
-        needed = self._blocks_needed(request.num_prompt_tokens) - len(hits)
-        new = self.pool.allocate(needed) if needed > 0 else []
+        new = self._allocate_after_hits(hits, self._blocks_needed(request.num_prompt_tokens) - len(hits))
         if new is None:
             return False
-        self.pool.acquire_cached(hits)
         request.block_ids = hits + new
         request.num_hashed_blocks = len(hits)
         request.num_cached_tokens = len(hits) * self.block_size
@@ -158,13 +156,11 @@ class Scheduler:
                 hits = []
             start = len(hits) * self.block_size or req.num_computed_tokens
             n = min(req.num_tokens - start, budget, chunk_cap)
-            needed = self._blocks_needed(start + n) - len(hits) - len(req.block_ids)
-            new = self.pool.allocate(needed) if needed > 0 else []
+            new = self._allocate_after_hits(hits, self._blocks_needed(start + n) - len(hits) - len(req.block_ids))
             if new is None:
                 break
             self.waiting.popleft()
             if hits:
-                self.pool.acquire_cached(hits)
                 req.block_ids = hits
                 req.num_hashed_blocks = len(hits)
                 req.num_computed_tokens = start
@@ -192,6 +188,15 @@ class Scheduler:
 
     def _blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _allocate_after_hits(self, hits: list[int], needed: int) -> list[int] | None:
+        """References the prefix-cache hits first (so allocation cannot evict them), then allocates
+        ``needed`` new blocks. On failure, gives the hits back and returns None."""
+        self.pool.acquire_cached(hits)
+        new = self.pool.allocate(needed) if needed > 0 else []
+        if new is None:
+            self.pool.release(hits)
+        return new
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         needed = self._blocks_needed(num_tokens) - len(req.block_ids)
