@@ -20,6 +20,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # start of the decode window
         self.read_offset = len(self.ids)  # tokens before this are already emitted
         self.text = ""
+        #: Characters of ``text`` already handed to the caller (the engine holds some back for stop strings).
+        self.emitted = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -7,6 +7,7 @@ Runs without Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,6 +48,9 @@ class RemoteKVReservation:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    if not any((Path(path) / f).is_file() for f in files):
+        raise ModelLoadError(f"no tokenizer in {path!r}: expected one of {files}")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a broken directory
@@ -61,11 +65,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = self.model_config.max_position_embeddings
+        self.model = load_model(self.model_config, torch_dtype(config.dtype), config.device)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.model = load_model(self.model_config, torch_dtype(config.dtype), config.device)
 
         cache = config.cache
         num_blocks = cache.num_blocks or num_blocks_for_memory(
@@ -205,15 +209,12 @@ class LLMEngine:
             before = len(detok.text)
             detok.push([token])
             status = self._stop_status(req, token)
-            text = detok.text
-            stop_at = self._find_stop_string(req, text, before)
+            stop_at = self._find_stop_string(req, detok.text, before)
             if stop_at is not None:
-                text, status = text[:stop_at], RequestStatus.FINISHED_STOPPED
+                detok.text, status = detok.text[:stop_at], RequestStatus.FINISHED_STOPPED
             elif status is not None:
                 detok.flush()
-                text = detok.text
-            detok.text = text
-            new_text = text[before:]
+            new_text = self._emit_text(req, detok, finished=status is not None)
             if status is not None:
                 self.scheduler.finish(req, status, release_blocks=not req.hold_kv_on_finish)
                 if not req.hold_kv_on_finish:
@@ -233,6 +234,16 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    @staticmethod
+    def _emit_text(req: Request, detok: IncrementalDetokenizer, finished: bool) -> str:
+        """Text not yet streamed. While stop strings may still complete, the last
+        ``len(longest stop) - 1`` characters are held back: streamed text cannot be taken back."""
+        holdback = 0 if finished or not req.params.stop else max(map(len, req.params.stop)) - 1
+        end = max(detok.emitted, len(detok.text) - holdback)
+        new_text = detok.text[detok.emitted : end]
+        detok.emitted = end
+        return new_text
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

@@ -1,0 +1,98 @@
+"""Bad input gets a clear error naming the problem; nothing already accepted is disturbed."""
+
+import json
+
+import pytest
+
+from cluster.cli import main as cli_main
+from cluster.config import EngineConfig, SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError
+from tests.helpers import engine_config
+
+
+def test_unknown_model_dir(tmp_path, capsys):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
+    code = cli_main(["run-batch", "-i", "x", "-o", "y", "--model", str(tmp_path / "nope")])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+
+
+def test_missing_weights(tmp_path, demo_model):
+    (tmp_path / "config.json").write_text((demo_model / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model):
+    return LLMEngine(engine_config(demo_model, num_blocks=128))
+
+
+@pytest.mark.parametrize(
+    "prompt_len, params, match",
+    [
+        (2000, SamplingParams(), "prompt has 2000 tokens but the model's context is 1024"),
+        (4, SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+        (4, SamplingParams(max_tokens=-3), "max_tokens must be a positive integer"),
+        (4, SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (4, SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (4, SamplingParams(temperature=-1.0), "temperature must be in"),
+        (0, SamplingParams(), "prompt is empty"),
+    ],
+)
+def test_bad_requests_are_refused_and_running_ones_continue(engine, prompt_len, params, match):
+    engine.add_request("running", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request("bad", list(range(4, 4 + prompt_len)) if prompt_len < 500 else [5] * prompt_len, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["running"] * 4 and outs[-1].finished
+    engine.block_pool.check_integrity()
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_token_id_outside_vocab(engine):
+    with pytest.raises(InvalidRequestError, match="token id 99999 is outside the vocabulary"):
+        engine.add_request("x", [5, 99999], SamplingParams())
+
+
+def test_request_larger_than_the_pool(demo_model):
+    small = LLMEngine(engine_config(demo_model, num_blocks=4))
+    with pytest.raises(InvalidRequestError, match="needs 7 KV blocks but this worker's pool has 4"):
+        small.add_request("x", [5] * 100, SamplingParams(max_tokens=10))
+
+
+def test_bad_engine_config(demo_model):
+    with pytest.raises(ConfigError, match="dtype 'float64' is not supported"):
+        EngineConfig(model=str(demo_model), dtype="float64").validate()
+    with pytest.raises(ConfigError, match="block_size must be a power of two"):
+        engine_config(demo_model, block_size=12).validate()
+
+
+def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path):
+    lines = [
+        "{not json",
+        json.dumps({"custom_id": "long", "url": "/v1/completions", "method": "POST", "body": {"prompt": [5] * 2000}}),
+        json.dumps({"custom_id": "ok", "url": "/v1/completions", "method": "POST", "body": {"prompt": "hi", "max_tokens": 3}}),
+        json.dumps({"custom_id": "nobody", "url": "/v1/completions", "method": "POST"}),
+        json.dumps({"custom_id": "chat-missing", "url": "/v1/chat/completions", "method": "POST", "body": {"max_tokens": 3}}),
+    ]
+    infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    infile.write_text("\n".join(lines) + "\n")
+    assert cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model), "--num-blocks", "64"]) == 0
+    recs = [json.loads(x) for x in outfile.read_text().splitlines()]
+    assert [r["custom_id"] for r in recs] == [None, "long", "ok", "nobody", "chat-missing"]
+    assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400]
+    assert "not valid JSON" in recs[0]["error"]["message"]
+    assert "context is 1024" in recs[1]["error"]["message"]
+    assert "body must be a JSON object" in recs[3]["error"]["message"]
+    assert "messages" in recs[4]["error"]["message"]
+    assert recs[2]["error"] is None and recs[2]["response"]["body"]["usage"]["completion_tokens"] == 3
