@@ -1,0 +1,194 @@
+"""Prometheus metric definitions for the serving cluster, and the pool stats replicas report.
+
+Two sources feed one ``/metrics`` page (served by the router):
+  - client-side latency per route class (TTFT, TPOT, inter-token latency, end-to-end, queue
+    time), goodput under the configured SLOs, rejections: ``RouterMetrics``, observed in the
+    router process;
+  - pool state, transfers and batch geometry: each replica reports a ``ReplicaStats`` snapshot
+    (plain numbers, cumulative counters) and the router renders the latest ones at scrape
+    time through ``PoolStatsCollector``.
+Each ``RouterMetrics`` owns its registry (no process-global default registry).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from cluster.serve_config import SLOConfig
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """Shape of the running batch after one step (what the memory system sees)."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    #: Share of this step's tokens that were prompt (prefill) tokens.
+    prefill_fraction: float = 0.0
+    #: Coefficient of variation and max/min ratio of the running sequences' lengths.
+    length_cv: float = 0.0
+    max_min_ratio: float = 0.0
+    kv_footprint_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica's state, reported periodically. Counters are cumulative since replica start."""
+
+    pool: str  # "prefill" | "decode"
+    replica_id: str
+    reported_at: float = field(default_factory=time.time)
+    healthy: bool = True
+    running: int = 0
+    waiting: int = 0
+    waiting_for_remote_kv: int = 0
+    held_kv_requests: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_dtype: str = ""
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    queued_prefill_tokens: int = 0
+    active_requests: int = 0
+    geometry: BatchGeometry = BatchGeometry()
+    # transfers (decode side receives, prefill side sends)
+    transfers: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_failures: int = 0
+    prefill_retries: int = 0
+    local_fallbacks: int = 0
+    integrity_ok: bool = True
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["kv_usage"] = self.kv_usage
+        return d
+
+
+class PoolStatsCollector:
+    """Renders the latest ``ReplicaStats`` of every replica as Prometheus families at scrape time."""
+
+    def __init__(self, source: Callable[[], Iterable[ReplicaStats]]):
+        self.source = source
+
+    def collect(self):
+        stats = list(self.source())
+        labels = ["pool", "replica"]
+
+        def gauge(name, doc, get):
+            g = GaugeMetricFamily(f"shapeserve_{name}", doc, labels=labels)
+            for s in stats:
+                g.add_metric([s.pool, s.replica_id], float(get(s)))
+            return g
+
+        def counter(name, doc, get):
+            c = CounterMetricFamily(f"shapeserve_{name}", doc, labels=labels)
+            for s in stats:
+                c.add_metric([s.pool, s.replica_id], float(get(s)))
+            return c
+
+        yield gauge("pool_running_requests", "Requests running in the engine", lambda s: s.running)
+        yield gauge("pool_waiting_requests", "Requests waiting in the engine (incl. for remote KV)", lambda s: s.waiting)
+        yield gauge("pool_kv_blocks_total", "KV blocks in the pool", lambda s: s.kv_blocks_total)
+        yield gauge("pool_kv_blocks_used", "KV blocks referenced by requests", lambda s: s.kv_blocks_used)
+        yield gauge("pool_kv_usage", "Fraction of KV blocks in use", lambda s: s.kv_usage)
+        yield gauge(
+            "pool_prefix_cache_hit_rate",
+            "Prefix-cache block hits / queries since start",
+            lambda s: s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
+        )
+        yield counter("pool_preemptions", "Requests preempted by recompute", lambda s: s.preemptions)
+        yield gauge("pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.queued_prefill_tokens)
+        yield gauge("batch_num_seqs", "Sequences in the last step", lambda s: s.geometry.num_seqs)
+        yield gauge("batch_num_tokens", "Tokens computed in the last step", lambda s: s.geometry.num_tokens)
+        yield gauge("batch_prefill_fraction", "Prompt share of the last step's tokens", lambda s: s.geometry.prefill_fraction)
+        yield gauge("batch_length_cv", "Coefficient of variation of running lengths", lambda s: s.geometry.length_cv)
+        yield gauge("batch_max_min_ratio", "Longest / shortest running sequence", lambda s: s.geometry.max_min_ratio)
+        yield gauge("batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.geometry.kv_footprint_bytes)
+        yield counter("kv_transfers", "KV transfers completed", lambda s: s.transfers)
+        yield counter("kv_transfer_bytes", "KV bytes moved between pools", lambda s: s.transfer_bytes)
+        yield counter("kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfer_seconds)
+        yield counter("kv_transfer_failures", "Failed or timed-out KV transfers / prefills", lambda s: s.transfer_failures)
+        yield counter("prefill_retries", "Prefills retried on another replica", lambda s: s.prefill_retries)
+        yield counter("local_prefill_fallbacks", "Remote prefills that fell back to local", lambda s: s.local_fallbacks)
+
+
+@dataclass
+class RequestTiming:
+    """Client-side timestamps of one request (monotonic seconds), filled in by the router."""
+
+    arrival: float
+    route: str
+    started: float | None = None  # the decode replica accepted it
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output_tokens: int = 0
+
+
+class RouterMetrics:
+    def __init__(self, slo: SLOConfig, stats_source: Callable[[], Iterable[ReplicaStats]] | None = None):
+        self.slo = slo
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        route = ["route"]
+        self.ttft = Histogram("shapeserve_time_to_first_token_seconds", "TTFT at the router", route, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "shapeserve_time_per_output_token_seconds", "Mean time per output token after the first", route,
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )
+        self.itl = Histogram("shapeserve_inter_token_latency_seconds", "Gap between streamed tokens", route, buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("shapeserve_e2e_request_latency_seconds", "Arrival to last token", route, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("shapeserve_queue_time_seconds", "Arrival until a decode replica took the request", route, buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("shapeserve_requests", "Finished requests", ["route", "outcome"], registry=r)
+        self.good = Counter("shapeserve_goodput_requests", "Requests meeting the TTFT and TPOT SLOs", route, registry=r)
+        self.rejected = Counter("shapeserve_rejected_requests", "429s by the class whose budget was full", ["route_class"], registry=r)
+        self.errors = Counter("shapeserve_request_errors", "Requests answered with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("shapeserve_prompt_tokens", "Prompt tokens of served requests", route, registry=r)
+        self.generation_tokens = Counter("shapeserve_generation_tokens", "Generated tokens", route, registry=r)
+        if stats_source is not None:
+            r.register(PoolStatsCollector(stats_source))
+
+    def observe_token(self, t: RequestTiming, now: float, n: int = 1) -> None:
+        if t.first_token is None:
+            t.first_token = now
+            self.ttft.labels(t.route).observe(now - t.arrival)
+        elif t.last_token is not None:
+            self.itl.labels(t.route).observe(now - t.last_token)
+        t.last_token = now
+        t.num_output_tokens += n
+
+    def observe_finished(self, t: RequestTiming, outcome: str, num_prompt_tokens: int) -> None:
+        route = t.route
+        self.requests.labels(route, outcome).inc()
+        if t.started is not None:
+            self.queue.labels(route).observe(t.started - t.arrival)
+        if outcome != "ok" or t.first_token is None or t.last_token is None:
+            return
+        self.e2e.labels(route).observe(t.last_token - t.arrival)
+        self.prompt_tokens.labels(route).inc(num_prompt_tokens)
+        self.generation_tokens.labels(route).inc(t.num_output_tokens)
+        ttft = t.first_token - t.arrival
+        tpot = (t.last_token - t.first_token) / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else 0.0
+        if t.num_output_tokens > 1:
+            self.tpot.labels(route).observe(tpot)
+        if ttft * 1000 <= self.slo.ttft_ms and tpot * 1000 <= self.slo.tpot_ms:
+            self.good.labels(route).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

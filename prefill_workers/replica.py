@@ -1,0 +1,114 @@
+"""The prefill pool replica: batches prompts, produces the first token and the prompt's KV blocks.
+
+A ``PrefillTask`` runs as an ordinary engine request with ``max_tokens=1`` and
+``hold_kv_on_finish=True`` (chunked prefill and the prefix cache come from the engine); when
+its first token is sampled, the prompt's blocks past ``skip_blocks`` are handed over (as a
+Ray object in the result, or pushed into the decode side's lease by kv_transfer) and released.
+Every exit path (deadline, cancellation by the decode replica, failure) frees the blocks:
+``release_kv``/``abort`` are idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from ray import serve
+
+from cluster.async_engine import AsyncEngine, next_output
+from cluster.engine.llm_engine import LLMEngine
+from cluster.metrics import ReplicaStats
+from cluster.serve_config import ServeConfig
+from cluster.serve_types import PrefillResult, PrefillTask
+
+log = logging.getLogger("ray.serve")
+
+
+def replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit use)
+        return "local"
+
+
+class PrefillWorker:
+    async def __init__(self, config: ServeConfig, model_dir: str, board=None):
+        self.config = config
+        self.replica_id = replica_id()
+        engine = await asyncio.to_thread(LLMEngine, config.engine_config("prefill", model_dir))
+        self.engine = AsyncEngine(engine)
+        self.engine.start(asyncio.get_running_loop())
+        self.board = board
+        self._counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "transfer_failures": 0}
+        self._reporter = asyncio.get_running_loop().create_task(self._report_loop()) if board is not None else None
+
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        """Prefills ``task`` and hands over its KV. Raises TimeoutError past the task's deadline."""
+        rid = task.request_id
+        params = dataclasses.replace(task.params, max_tokens=1, stop=(), ignore_eos=True)
+        try:
+            return await asyncio.wait_for(self._prefill(rid, task, params), timeout=max(0.0, task.deadline - time.time()))
+        except Exception:  # not CancelledError: the decode side giving up is no failure here
+            self._counters["transfer_failures"] += 1
+            raise
+        finally:
+            self.engine.abort(rid)  # idempotent: releases held blocks on every path
+
+    async def _prefill(self, rid: str, task: PrefillTask, params) -> PrefillResult:
+        q = await self.engine.add_request(rid, list(task.prompt_token_ids), params, hold_kv_on_finish=True)
+        out = await next_output(q)
+        while not out.finished:  # max_tokens=1: the first output is the last
+            out = await next_output(q)
+        t0 = time.perf_counter()
+
+        def gather(e: LLMEngine):
+            ids = e.held_kv_blocks(rid)[task.skip_blocks :]
+            return e.kv_cache[:, :, ids].clone(), len(ids)
+
+        kv, n = await self.engine.call(gather)
+        nbytes = kv.numel() * kv.element_size()
+        if task.lease is not None:
+            from prefill_workers.kv_push import push_kv
+
+            await push_kv(task.lease, kv)
+            kv = None
+        self._counters["transfers"] += 1
+        self._counters["transfer_bytes"] += nbytes
+        self._counters["transfer_seconds"] += time.perf_counter() - t0
+        first_lp = out.new_logprobs[0] if out.new_logprobs else None
+        return PrefillResult(rid, out.new_token_ids[0], first_lp, self.replica_id, n, nbytes, kv.cpu() if kv is not None else None)
+
+    # ---- stats --------------------------------------------------------------------------
+
+    def stats(self) -> ReplicaStats:
+        snap = self.engine.snapshot()
+        return ReplicaStats(pool="prefill", replica_id=self.replica_id, healthy=self.engine.alive, **snap, **self._counters)
+
+    def record_routing_stats(self) -> dict:
+        s = self.stats()
+        return {"queued_prefill_tokens": s.queued_prefill_tokens, "kv_blocks_free": s.kv_blocks_free, "running": s.running}
+
+    def record_autoscaling_stats(self) -> dict:
+        return {"queued_prefill_tokens": float(self.stats().queued_prefill_tokens)}
+
+    async def debug_stats(self) -> dict:
+        return {**self.stats().as_dict(), "integrity_ok": await self.engine.check_integrity()}
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError("prefill engine loop is not running")
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self.board.report.remote(self.stats())
+            except Exception as e:  # the board restarting must not stop the replica
+                log.debug("stats report failed: %r", e)
+            await asyncio.sleep(self.config.routing_stats_period_s)
+
+    def __del__(self):
+        eng = getattr(self, "engine", None)
+        if eng is not None:
+            eng.shutdown()

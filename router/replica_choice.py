@@ -1,0 +1,128 @@
+"""Replica choice for the two pools, as Serve custom request routers.
+
+Replicas report plain numbers through ``record_routing_stats`` (Serve polls them every
+``routing_stats_period_s``); the routers rank candidates with the pure functions below:
+
+  decode  - KV headroom first (a replica that can hold the request's prompt + max_tokens
+            blocks), then the running batch (running + waiting sequences, tokens per step)
+  prefill - prefix affinity and queue together: the replica with the fewest tokens to
+            compute = its queued prefill tokens + the prompt tokens it has not seen (block-hash
+            overlap with what this router sent it, using ``hash_full_blocks``'s chained hashes);
+            a retry (``attempt > 0``) avoids replicas that already had the request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+# ---- pure ranking ------------------------------------------------------------------------
+
+
+def rank_decode(stats: Sequence[dict[str, Any]], need_blocks: int) -> list[int]:
+    """Indices of ``stats`` best first. Unknown stats (a fresh replica) count as empty."""
+
+    def key(i: int):
+        s = stats[i]
+        free = s.get("kv_blocks_free", 1 << 30)
+        total = max(s.get("kv_blocks_total", 1), 1)
+        fits = free >= need_blocks
+        load = s.get("running", 0) + s.get("waiting", 0)
+        return (not fits, load, s.get("batch_tokens", 0), -(free - need_blocks) / total, i)
+
+    return sorted(range(len(stats)), key=key)
+
+
+def rank_prefill(
+    stats: Sequence[dict[str, Any]], overlaps: Sequence[int], num_prompt_tokens: int, block_size: int
+) -> list[int]:
+    """Indices best first by tokens to compute: queued prefill tokens + this prompt's uncached part."""
+
+    def key(i: int):
+        uncached = max(0, num_prompt_tokens - overlaps[i] * block_size)
+        return (stats[i].get("queued_prefill_tokens", 0) + uncached, -overlaps[i], i)
+
+    return sorted(range(len(stats)), key=key)
+
+
+def prefix_overlap(known: OrderedDict | None, block_hashes: Sequence[bytes]) -> int:
+    """Leading blocks of ``block_hashes`` found in ``known``. Does not modify ``known``."""
+    if not known:
+        return 0
+    n = 0
+    for h in block_hashes:
+        if h not in known:
+            break
+        n += 1
+    return n
+
+
+def _task(pending_request: PendingRequest | None):
+    if pending_request is None or not pending_request.args:
+        return None
+    return pending_request.args[0]
+
+
+# ---- Serve request routers -----------------------------------------------------------------
+
+
+class DecodeRequestRouter(RequestRouter):
+    def initialize_state(self, block_size: int = 16, **kwargs: Any) -> None:
+        self.block_size = block_size
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        task = _task(pending_request)
+        if task is None or not hasattr(task, "params"):
+            return [candidate_replicas]
+        need = -(-(len(task.prompt_token_ids) + task.params.max_tokens) // self.block_size)
+        order = rank_decode([r.routing_stats or {} for r in candidate_replicas], need)
+        return [[candidate_replicas[i]] for i in order]
+
+
+class PrefillRequestRouter(RequestRouter):
+    def initialize_state(self, block_size: int = 16, max_blocks_per_replica: int = 65536, **kwargs: Any) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_replica
+        self._known: dict[str, OrderedDict[bytes, None]] = {}
+        self._tried: OrderedDict[str, set[str]] = OrderedDict()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        task = _task(pending_request)
+        if task is None or not hasattr(task, "block_hashes"):
+            return [candidate_replicas]
+        candidates = candidate_replicas
+        if task.attempt > 0:
+            tried = self._tried.get(task.request_id, set())
+            fresh = [r for r in candidates if r.replica_id.unique_id not in tried]
+            candidates = fresh or candidates
+        overlaps = [prefix_overlap(self._known.get(r.replica_id.unique_id), task.block_hashes) for r in candidates]
+        stats = [r.routing_stats or {} for r in candidates]
+        order = rank_prefill(stats, overlaps, len(task.prompt_token_ids), self.block_size)
+        return [[candidates[i]] for i in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        task = _task(pending_request)
+        if task is None or not hasattr(task, "block_hashes"):
+            return
+        rid = replica_id.unique_id
+        known = self._known.setdefault(rid, OrderedDict())
+        for h in task.block_hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > self.max_blocks:
+            known.popitem(last=False)
+        self._tried.setdefault(task.request_id, set()).add(rid)
+        self._tried.move_to_end(task.request_id)
+        while len(self._tried) > 10000:
+            self._tried.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._known.pop(replica_id.unique_id, None)
