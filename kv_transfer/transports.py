@@ -148,9 +148,11 @@ class GrpcTransport:
                 writer.abort(lease_id, f"rejected block data: {e}")
             raise
         except Exception as e:  # the request stream broke: sender gone or deadline passed
+            left = context.time_remaining()
+            why = "deadline passed with the sender silent" if left is not None and left <= 0.05 else "sender disconnected"
             if lease_id is not None:
-                writer.abort(lease_id, f"sender stream broke: {e!r}")
-            raise PeerUnavailableError(f"sender stream broke after {count} blocks: {e!r}") from e
+                writer.abort(lease_id, f"block stream broke after {count} blocks: {why}")
+            raise PeerUnavailableError(f"block stream broke after {count} blocks: {why} ({type(e).__name__})") from e
         if not context.is_active():
             if lease_id is not None:
                 writer.abort(lease_id, "sender went away mid-stream")
