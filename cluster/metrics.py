@@ -47,6 +47,7 @@ class ReplicaStats:
     replica_id: str
     reported_at: float = field(default_factory=time.time)
     healthy: bool = True
+    pid: int = 0
     running: int = 0
     waiting: int = 0
     waiting_for_remote_kv: int = 0
@@ -69,7 +70,8 @@ class ReplicaStats:
     transfer_failures: int = 0
     prefill_retries: int = 0
     local_fallbacks: int = 0
-    integrity_ok: bool = True
+    #: Block pool ``check_integrity()`` at the last report (checked only for pools of <= 16384 blocks).
+    integrity_ok: bool | None = None
 
     @property
     def kv_usage(self) -> float:

@@ -13,6 +13,7 @@ idempotent and frees the request's blocks.
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -58,6 +59,7 @@ class DecodeWorker:
             "prefill_retries": 0,
             "local_fallbacks": 0,
         }
+        self._integrity_ok: bool | None = None
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop()) if board is not None else None
 
     # ---- the request ----------------------------------------------------------------------
@@ -165,7 +167,8 @@ class DecodeWorker:
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats(
-            pool="decode", replica_id=self.replica_id, healthy=self.engine.alive, **self.engine.snapshot(), **self._counters
+            pool="decode", replica_id=self.replica_id, healthy=self.engine.alive, pid=os.getpid(),
+            integrity_ok=self._integrity_ok, **self.engine.snapshot(), **self._counters
         )
 
     def record_routing_stats(self) -> dict:
@@ -182,9 +185,6 @@ class DecodeWorker:
         s = self.stats()
         return {"kv_usage": s.kv_usage, "running_seqs": float(s.running)}
 
-    async def debug_stats(self) -> dict:
-        return {**self.stats().as_dict(), "integrity_ok": await self.engine.check_integrity()}
-
     def check_health(self) -> None:
         if not self.engine.alive:
             raise RuntimeError("decode engine loop is not running")
@@ -192,6 +192,8 @@ class DecodeWorker:
     async def _report_loop(self) -> None:
         while True:
             try:
+                if self.engine.engine.kv_layout.num_blocks <= 16384:
+                    self._integrity_ok = await self.engine.check_integrity()
                 await self.board.report.remote(self.stats())
             except Exception as e:
                 log.debug("stats report failed: %r", e)

@@ -11,6 +11,7 @@ Every exit path (deadline, cancellation by the decode replica, failure) frees th
 from __future__ import annotations
 
 import asyncio
+import os
 import dataclasses
 import logging
 import time
@@ -42,6 +43,7 @@ class PrefillWorker:
         self.engine.start(asyncio.get_running_loop())
         self.board = board
         self._counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "transfer_failures": 0}
+        self._integrity_ok: bool | None = None
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop()) if board is not None else None
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -84,7 +86,10 @@ class PrefillWorker:
 
     def stats(self) -> ReplicaStats:
         snap = self.engine.snapshot()
-        return ReplicaStats(pool="prefill", replica_id=self.replica_id, healthy=self.engine.alive, **snap, **self._counters)
+        return ReplicaStats(
+            pool="prefill", replica_id=self.replica_id, healthy=self.engine.alive, pid=os.getpid(),
+            integrity_ok=self._integrity_ok, **snap, **self._counters,
+        )
 
     def record_routing_stats(self) -> dict:
         s = self.stats()
@@ -93,9 +98,6 @@ class PrefillWorker:
     def record_autoscaling_stats(self) -> dict:
         return {"queued_prefill_tokens": float(self.stats().queued_prefill_tokens)}
 
-    async def debug_stats(self) -> dict:
-        return {**self.stats().as_dict(), "integrity_ok": await self.engine.check_integrity()}
-
     def check_health(self) -> None:
         if not self.engine.alive:
             raise RuntimeError("prefill engine loop is not running")
@@ -103,6 +105,8 @@ class PrefillWorker:
     async def _report_loop(self) -> None:
         while True:
             try:
+                if self.engine.engine.kv_layout.num_blocks <= 16384:
+                    self._integrity_ok = await self.engine.check_integrity()
                 await self.board.report.remote(self.stats())
             except Exception as e:  # the board restarting must not stop the replica
                 log.debug("stats report failed: %r", e)

@@ -1,0 +1,299 @@
+"""The serving cluster end to end: a real Ray cluster with separate prefill and decode nodes,
+real HTTP on 127.0.0.1, the tiny demo model. One cluster for the whole module.
+
+Greedy outputs through HTTP equal the offline engine's for LOCAL and REMOTE routes; the
+official openai client works; bad input gets OpenAI error bodies without disturbing a
+running request; overload is a 429 with Retry-After; a killed prefill replica and a client
+disconnect leave no KV block in use on either pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["Hello", "The quick brown fox", "Numbers: 1 2 3"]  # <= 32 tokens: LOCAL
+LOCAL_MAX = 32
+
+
+def long_prompt(seed: int, n: int = 80) -> list[int]:
+    """A distinct token-id prompt longer than LOCAL_MAX (so it routes REMOTE)."""
+    return [4 + (seed * 131 + i * 17) % 500 for i in range(n)]
+
+
+LONG = [long_prompt(s) for s in (1, 2, 3)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(demo_model):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from cluster.serve_app import APP_NAME, build_app
+    from cluster.serve_config import parse_serve_config
+
+    port = _free_port()
+    pool = {"num_cpus": 0, "num_blocks": 256, "num_threads": 1, "max_num_batched_tokens": 512}
+    config = parse_serve_config(
+        {
+            "device": "cpu",
+            "host": "127.0.0.1",
+            "port": port,
+            "prefill": {**pool, "resources": {"prefill": 1}},
+            "decode": {**pool, "resources": {"decode": 1}},
+            "classifier": {"local_max_uncached_tokens": LOCAL_MAX},
+            "admission": {"remote": {"max_inflight_requests": 6}},
+            "timeouts": {"prefill_timeout_s": 5.0, "max_prefill_attempts": 2, "request_timeout_s": 120.0},
+        }
+    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"prefill": 1})
+    cluster.add_node(num_cpus=1, resources={"decode": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config, str(demo_model)), name=APP_NAME, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        _wait(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "pools healthy")
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(demo_model):
+    """Greedy reference outputs from the offline engine on the same model."""
+    from cluster.config import CacheConfig, EngineConfig, SamplingParams
+    from cluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(demo_model), cache=CacheConfig(num_blocks=256)))
+
+    def run(prompts: list, max_tokens: int) -> list[list[int]]:
+        from cluster.prompting import encode_prompt
+
+        ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [r["token_ids"] for r in engine.generate(ids, params)]
+
+    run.tokenizer = engine.tokenizer
+    return run
+
+
+def _wait(cond, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < end:
+        try:
+            last = cond()
+            if last:
+                return last
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def pools(url: str) -> dict[str, list[dict]]:
+    reps = httpx.get(f"{url}/admin/pools").json()["replicas"]
+    return {p: [r for r in reps if r["pool"] == p] for p in ("prefill", "decode")}
+
+
+def assert_no_blocks_in_use(url: str, timeout_s: float = 15.0):
+    """Both pools settle at zero used KV blocks and zero live requests, with an intact block pool."""
+
+    def idle():
+        p = pools(url)
+        reps = p["prefill"] + p["decode"]
+        fresh = all(r["reported_at"] > started for r in reps)
+        ok = (
+            p["prefill"] and p["decode"] and fresh
+            and all(r["kv_blocks_used"] == 0 and r["active_requests"] == 0 and r["integrity_ok"] for r in reps)
+        )
+        return ok and p
+
+    started = time.time()
+    return _wait(idle, timeout_s, "no KV blocks in use on either pool")
+
+
+def complete(url: str, prompt, max_tokens: int, **extra) -> httpx.Response:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+
+def test_greedy_parity_local_and_remote(server, offline):
+    prompts = SHORT + LONG
+    expected = offline(prompts, 12)
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "demo", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json={**body, "prompt": p}) for p in prompts))
+
+    responses = asyncio.run(send_all())
+    for prompt, resp, want in zip(prompts, responses, expected):
+        assert resp.status_code == 200, resp.text
+        route = "local" if isinstance(prompt, str) else "remote"
+        assert resp.headers["x-shapeserve-route"] == route
+        choice = resp.json()["choices"][0]
+        assert choice["token_ids"] == want, f"{route} output differs from the offline engine"
+        assert resp.json()["usage"]["completion_tokens"] == 12
+    _wait(lambda: sum(r["transfers"] for r in pools(server)["decode"]) >= len(LONG), 10, "transfers reported")
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'shapeserve_time_to_first_token_seconds_count{route="remote"}' in metrics
+    assert 'shapeserve_requests_total{outcome="ok",route="local"}' in metrics
+    assert "shapeserve_pool_kv_blocks_used" in metrics and "shapeserve_kv_transfer_bytes_total" in metrics
+    assert_no_blocks_in_use(server)
+
+
+def test_openai_client_completions_and_chat(server, offline):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    n_prompt = len(offline.tokenizer("Hello there").input_ids)
+
+    r = client.completions.create(model="demo", prompt="Hello there", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 5, n_prompt + 5)
+    assert r.choices[0].finish_reason == "length"
+
+    chunks = list(client.completions.create(model="demo", prompt="Hello there", max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == n_prompt
+
+    messages = [{"role": "user", "content": "hi"}]
+    c = client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    chat_ids = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    n_chat = len(offline.tokenizer(chat_ids, add_special_tokens=False).input_ids)
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (n_chat, 4)
+    assert c.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(s.choices[0].delta.content or "" for s in stream if s.choices) == c.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == 4
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_bad_input_errors_leave_running_request_alone(server, offline):
+    want = offline([LONG[0]], 60)[0]
+    result = {}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "demo", "prompt": LONG[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "stream": True}
+            async with c.stream("POST", f"{server}/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                ids, bad_done = [], False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                    if not bad_done:  # mid-stream: a burst of bad requests
+                        bad_done = True
+                        result["bad"] = await asyncio.gather(
+                            c.post(f"{server}/v1/completions", content=b"{nope", headers={"content-type": "application/json"}),
+                            c.post(f"{server}/v1/completions", json={"model": "demo"}),
+                            c.post(f"{server}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2000}),
+                            c.post(f"{server}/v1/completions", json={"model": "gpt-x", "prompt": "x"}),
+                            c.post(f"{server}/v1/completions", json={"model": "demo", "prompt": "x", "top_p": 7}),
+                        )
+                result["ids"] = ids
+
+    asyncio.run(main())
+    statuses = [r.status_code for r in result["bad"]]
+    assert statuses == [400, 400, 400, 404, 400]
+    for r in result["bad"]:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert [r.json()["error"]["param"] for r in result["bad"]] == [None, "prompt", "max_tokens", "model", "top_p"]
+    assert result["ids"] == want
+
+
+def test_overload_is_429_with_retry_after(server):
+    # remote budget is 6 in-flight requests per router: 10 at once must see some 429s.
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "demo", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(
+                *(c.post(f"{server}/v1/completions", json={**body, "prompt": long_prompt(100 + i)}) for i in range(10))
+            )
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 6 and 429 in codes, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    assert_no_blocks_in_use(server)
+
+
+def test_client_disconnect_frees_blocks_on_both_pools(server):
+    body = {"model": "demo", "prompt": long_prompt(7, 200), "max_tokens": 800, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200 and resp.headers["x-shapeserve-route"] == "remote"
+            lines = resp.iter_lines()
+            for _ in range(10):
+                next(lines)
+            _wait(lambda: any(r["kv_blocks_used"] > 0 for r in pools(server)["decode"]), 10, "decode blocks in use")
+        # leaving the block closes the connection mid-stream
+    p = assert_no_blocks_in_use(server)
+    assert all(r["running"] == 0 and r["waiting"] == 0 for r in p["decode"])
+
+
+def test_killed_prefill_replica_every_request_completes(server, offline):
+    prompts = [long_prompt(200 + i) for i in range(4)]
+    expected = offline(prompts, 30)
+    prefill_pid = pools(server)["prefill"][0]["pid"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "demo", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            tasks = [asyncio.create_task(c.post(f"{server}/v1/completions", json={**body, "prompt": p})) for p in prompts[:2]]
+            await asyncio.sleep(0.05)
+            os.kill(prefill_pid, signal.SIGKILL)
+            tasks += [asyncio.create_task(c.post(f"{server}/v1/completions", json={**body, "prompt": p})) for p in prompts[2:]]
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(main())
+    for resp, want in zip(responses, expected):
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == want
+    # Serve restarts the replica; afterwards nothing is held anywhere.
+    _wait(lambda: httpx.get(f"{server}/health").status_code == 200, 60, "prefill pool back")
+    _wait(lambda: any(r["pid"] != prefill_pid for r in pools(server)["prefill"]), 60, "new prefill replica")
+    p = assert_no_blocks_in_use(server, timeout_s=20)
+    decode = p["decode"][0]
+    assert decode["local_fallbacks"] + decode["prefill_retries"] >= 1
