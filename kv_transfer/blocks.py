@@ -27,8 +27,9 @@ class BlockSource(Protocol):
     layout: KVLayout
     device: torch.device
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Blocks ``[L, 2, n, block_size, H, D]`` as a new contiguous tensor. Does not modify the cache."""
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks ``[L, 2, n, block_size, H, D]`` as a contiguous tensor (written into ``out`` when given,
+        a reused buffer: fresh pages cost more than the copy). Does not modify the cache."""
 
 
 class BlockSink(Protocol):
@@ -56,11 +57,13 @@ class PagedKV:
             raise ValueError(f"block ids {list(block_ids)} out of range [0, {self.layout.num_blocks})")
         return ids.to(self.device)
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return self.kv.index_select(2, self._index(block_ids))
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return self.kv.index_select(2, self._index(block_ids))
+        return torch.index_select(self.kv, 2, self._index(block_ids), out=out)
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        want = self.blocks_shape(len(block_ids))
+        want = blocks_shape(self.layout, len(block_ids))
         if tuple(blocks.shape) != want or blocks.dtype != self.kv.dtype:
             raise ValueError(
                 f"blocks of shape {list(blocks.shape)} {blocks.dtype} do not fit {len(block_ids)} blocks "
@@ -69,10 +72,6 @@ class PagedKV:
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"duplicate destination block ids {list(block_ids)}")
         self.kv.index_copy_(2, self._index(block_ids), blocks.to(self.device, non_blocking=True))
-
-    def blocks_shape(self, n: int) -> tuple[int, ...]:
-        lay = self.layout
-        return (lay.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim)
 
 
 def blocks_shape(layout: KVLayout, n: int) -> tuple[int, ...]:
@@ -137,19 +136,24 @@ class PoolReserver:
 class EngineReserver:
     """Plugs a decode ``LLMEngine`` in: ``reserve_remote_kv`` / ``complete_remote_kv`` / ``abort_request``.
 
-    ``context`` of ``reserve`` is the request's ``SamplingParams``. ``lock`` must be the lock the worker
-    holds around ``engine.step()``: these calls come from kv_transfer threads.
+    ``context`` of ``reserve`` is the request's ``SamplingParams`` (``default_params`` when None, e.g. a
+    lease opened remotely). ``lock`` must be the lock the worker holds around ``engine.step()``: these
+    calls come from kv_transfer threads.
     """
 
-    def __init__(self, engine: Any, lock: threading.Lock | threading.RLock):
+    def __init__(self, engine: Any, lock: threading.Lock | threading.RLock, default_params: Any = None):
         self.engine = engine
         self.lock = lock
+        self.default_params = default_params
 
     def reserve(
         self, request_id: str, num_blocks: int, prompt_token_ids: Sequence[int], context: Any
     ) -> Reservation | None:
+        params = context if context is not None else self.default_params
+        if params is None:
+            raise ValueError(f"request {request_id}: reserving engine blocks needs the request's SamplingParams")
         with self.lock:
-            r = self.engine.reserve_remote_kv(request_id, list(prompt_token_ids), context)
+            r = self.engine.reserve_remote_kv(request_id, list(prompt_token_ids), params)
         if r is None:
             return None
         skip = r.num_cached_tokens // self.engine.kv_layout.block_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class PairGroup:
         self.device = device
         self.lock = threading.Lock()
         self.broken = False
+        self._staging: torch.Tensor | None = None
         prefixed = dist.PrefixStore(f"kvpair/{pair_id}/", store)
         timeout = datetime.timedelta(seconds=op_timeout_s)
         if backend == "gloo":
@@ -96,6 +98,15 @@ class PairGroup:
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         else:
             raise TransportError(f"unknown collective backend {backend!r}")
+
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous receive buffer of ``shape``, reused across chunks (fresh pages cost more than the copy).
+        Caller holds ``self.lock``."""
+        numel = math.prod(shape)
+        buf = self._staging
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._staging = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
 
     def send(self, tensor: torch.Tensor, timeout_s: float, cancelled: Callable[[], str | None] | None = None) -> None:
         self._op(lambda: self.pg.send([tensor], self.peer, 0), timeout_s, "send", cancelled)
@@ -125,6 +136,7 @@ class PairGroup:
         if self.broken:
             return
         self.broken = True
+        self._staging = None
         try:
             if self.backend == "nccl":
                 self.pg.abort()  # unblocks pending NCCL ops; gloo ops end at their timeout

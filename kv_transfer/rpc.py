@@ -9,6 +9,7 @@ details and is re-raised as the same class on the calling side. Every client cal
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from kv_transfer.errors import (
 )
 
 SERVICE = "shapeserve.kv.KVTransfer"
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STATUS = {
@@ -66,6 +68,9 @@ def _answer(call: Callable[[], Any], context: grpc.ServicerContext) -> Any:
         return call()
     except KVTransferError as e:
         context.abort(_STATUS.get(type(e), grpc.StatusCode.UNKNOWN), f"{type(e).__name__}: {e}")
+    except Exception as e:  # a bug or a failing reserver: the caller still gets a named error, the server lives
+        log.exception("KV transfer handler failed")
+        context.abort(grpc.StatusCode.INTERNAL, f"KVTransferError: receiver failed: {type(e).__name__}: {e}")
 
 
 def start_server(

@@ -175,9 +175,9 @@ class KVSender:
             log.debug("abort of lease %s not delivered: %s", lease.lease_id, e)
 
     def _gatherer(self, lease_id: str, src: tuple[int, ...]):
-        def gather(start: int, n: int) -> torch.Tensor:
+        def gather(start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
             with self.leases.guard(lease_id):  # source blocks cannot be released mid-gather
-                return self.source.gather(src[start : start + n])
+                return self.source.gather(src[start : start + n], out)
 
         return gather
 

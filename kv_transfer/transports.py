@@ -31,8 +31,9 @@ from kv_transfer.lease import Lease
 #: Preference of ``auto``: fastest first.
 PREFERENCE = ("nccl", "gloo", "grpc")
 
-#: Gathers lease positions ``start .. start+n`` from the sender's pool (raises if the lease ended).
-Gather = Callable[[int, int], torch.Tensor]
+#: ``gather(start, n, out)``: lease positions ``start .. start+n`` from the sender's pool, into ``out``
+#: if given (raises LeaseEndedError if the lease ended).
+Gather = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
 
 
 class BlockWriter(Protocol):
@@ -112,7 +113,7 @@ class GrpcTransport:
         def messages() -> Iterator[bytes]:
             try:
                 for start, n in chunks(lease.num_blocks, self.per_chunk):
-                    payload = wire.TensorPayload.from_tensor(gather(start, n))
+                    payload = wire.TensorPayload.from_tensor(gather(start, n, None))
                     sent[0] += len(payload.data)
                     yield wire.encode(wire.BlockChunk(lease.lease_id, start, payload))
             except BaseException as e:  # grpc would swallow it as CANCELLED; keep the real reason
@@ -227,11 +228,12 @@ class CollectiveTransport:
     def send_blocks(self, peer: Peer, lease: Lease, gather: Gather, deadline: float) -> int:
         group = self._group(peer)
         plan = chunks(lease.num_blocks, self.per_chunk)
+        dtype = torch_dtype(self.layout.dtype)
 
         def send_all() -> int:
             nbytes = 0
             for start, n in plan:
-                t = gather(start, n)
+                t = gather(start, n, group.staging(blocks_shape(self.layout, n), dtype))
                 group.send(t, deadline - time.monotonic())
                 nbytes += t.numel() * t.element_size()
             return nbytes
@@ -272,7 +274,7 @@ class CollectiveTransport:
         with group.lock:
             try:
                 for n in push.chunk_blocks:
-                    staging = torch.empty(blocks_shape(lay, n), dtype=dtype, device=writer.device)
+                    staging = group.staging(blocks_shape(lay, n), dtype)
                     group.recv(staging, deadline - time.monotonic(), lambda: writer.ended_reason(lease.lease_id))
                     writer.write(lease.lease_id, start, staging)
                     start += n

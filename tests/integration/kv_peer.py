@@ -73,12 +73,12 @@ class StallingSource:
         self.inner, self.stall_after, self.calls = inner, stall_after, 0
         self.layout, self.device = inner.layout, inner.device
 
-    def gather(self, block_ids):
+    def gather(self, block_ids, out=None):
         self.calls += 1
         if self.calls > self.stall_after:
             emit(event="stalled", gathers=self.calls - 1)
             time.sleep(3600)
-        return self.inner.gather(block_ids)
+        return self.inner.gather(block_ids, out)
 
 
 def run_sender(args: argparse.Namespace) -> None:

@@ -152,12 +152,12 @@ class SlowSource:
         self.gathers = 0
         self.first_sent = threading.Event()
 
-    def gather(self, block_ids):
+    def gather(self, block_ids, out=None):
         self.gathers += 1
         if self.gathers > 1:
             self.first_sent.set()
             time.sleep(0.3)
-        return self.inner.gather(block_ids)
+        return self.inner.gather(block_ids, out)
 
 
 @pytest.mark.parametrize("transport", ["gloo", "grpc"])
