@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--threads", type=int, help="torch CPU threads (1 gives steadier times on a shared host)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and not args.torch_only:
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {device} ({where}); torch {torch.__version__}; dtype {str(dtype).removeprefix('torch.')}; "
         f"heads {num_heads}/{kv_heads} x {head_dim}; block {bs}; "
-        f"{mode}; "
+        f"{mode}; torch threads {torch.get_num_threads()}; "
         f"median of {repeats} after {warmup} warmup"
     )
     print()
