@@ -137,14 +137,23 @@ class EngineReserver:
     """Plugs a decode ``LLMEngine`` in: ``reserve_remote_kv`` / ``complete_remote_kv`` / ``abort_request``.
 
     ``context`` of ``reserve`` is the request's ``SamplingParams`` (``default_params`` when None, e.g. a
-    lease opened remotely). ``lock`` must be the lock the worker holds around ``engine.step()``: these
-    calls come from kv_transfer threads.
+    lease opened remotely). A failed lease calls ``on_failed(request_id)`` - ``engine.abort_request`` by
+    default; pass ``engine.fallback_to_local_prefill`` to keep the request and its blocks and prefill
+    locally instead. ``lock`` must be the lock the worker holds around ``engine.step()``: these calls
+    come from kv_transfer threads.
     """
 
-    def __init__(self, engine: Any, lock: threading.Lock | threading.RLock, default_params: Any = None):
+    def __init__(
+        self,
+        engine: Any,
+        lock: threading.Lock | threading.RLock,
+        default_params: Any = None,
+        on_failed: Callable[[str], None] | None = None,
+    ):
         self.engine = engine
         self.lock = lock
         self.default_params = default_params
+        self.on_failed = on_failed or engine.abort_request
 
     def reserve(
         self, request_id: str, num_blocks: int, prompt_token_ids: Sequence[int], context: Any
@@ -167,7 +176,7 @@ class EngineReserver:
 
     def free(self, request_id: str, block_ids: Sequence[int]) -> None:
         with self.lock:
-            self.engine.abort_request(request_id)
+            self.on_failed(request_id)
 
 
 # ---- sender-side release ----------------------------------------------------------------
