@@ -33,10 +33,8 @@ def check_tensor(
     t: torch.Tensor,
     shape: tuple[int | None, ...],
     dtypes: tuple[torch.dtype, ...],
-    *,
-    last_dim_contiguous: bool = True,
 ) -> None:
-    """``shape`` entries of None match any size; ints must match exactly."""
+    """``shape`` entries of None match any size; ints must match exactly. The last dim must be dense."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
@@ -45,7 +43,7 @@ def check_tensor(
     if t.dtype not in dtypes:
         names = ", ".join(_name(d) for d in dtypes)
         raise ValueError(f"{name} has dtype {_name(t.dtype)}, expected one of: {names}")
-    if last_dim_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {tuple(t.stride())}")
 
 
