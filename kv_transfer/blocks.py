@@ -60,6 +60,8 @@ class PagedKV:
     def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             return self.kv.index_select(2, self._index(block_ids))
+        if out.device != self.kv.device:  # e.g. a CUDA pool sent over gloo
+            return out.copy_(self.kv.index_select(2, self._index(block_ids)))
         return torch.index_select(self.kv, 2, self._index(block_ids), out=out)
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
@@ -71,7 +73,7 @@ class PagedKV:
             )
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"duplicate destination block ids {list(block_ids)}")
-        self.kv.index_copy_(2, self._index(block_ids), blocks.to(self.device, non_blocking=True))
+        self.kv.index_copy_(2, self._index(block_ids), blocks.to(self.device))
 
 
 def blocks_shape(layout: KVLayout, n: int) -> tuple[int, ...]:

@@ -83,7 +83,8 @@ class PairGroup:
         self.backend = backend
         self.rank = rank
         self.peer = 1 - rank
-        self.device = device
+        # gloo moves host memory (a CUDA pool is staged through the CPU); NCCL moves device memory.
+        self.device = torch.device("cpu") if backend == "gloo" else device
         self.lock = threading.Lock()
         self.broken = False
         self._staging: torch.Tensor | None = None

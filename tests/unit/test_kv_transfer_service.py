@@ -263,3 +263,25 @@ def test_config_is_validated():
         KVTransferConfig(transport="rdma").validate()
     with pytest.raises(ConfigError, match="lease_ttl_s must be > 0"):
         KVTransferConfig(lease_ttl_s=0).validate()
+
+
+def test_paged_kv_moves_whole_blocks():
+    from kv_transfer import PagedKV
+
+    kv = make_kv(seed=2)
+    paged = PagedKV(kv)
+    ids = [5, 0, 17]
+    assert torch.equal(paged.gather(ids), kv[:, :, ids])
+    out = torch.empty_like(kv[:, :, :3])
+    assert paged.gather(ids, out) is out and torch.equal(out, kv[:, :, ids])
+    dst = PagedKV(make_kv(None))
+    dst.scatter([3, 9, 1], out)
+    assert torch.equal(dst.kv[:, :, [3, 9, 1]], kv[:, :, ids])
+    assert dst.kv[:, :, [0, 2, 4]].abs().sum() == 0
+    with pytest.raises(ValueError, match="do not fit 2 blocks"):
+        dst.scatter([1, 2], out)
+    with pytest.raises(ValueError, match="duplicate"):
+        dst.scatter([1, 1, 2], out)
+    with pytest.raises(ValueError, match="out of range"):
+        dst.scatter([1, 2, SHAPE["blocks"]], out)
+    assert paged.layout.mismatch(dst.layout) is None
