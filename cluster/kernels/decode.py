@@ -35,7 +35,33 @@ from cluster.kernels._common import (
 )
 
 LOG2E = 1.4426950408889634
-DEFAULT_PARTITION_SIZE = 512
+MAX_PARTITION_SIZE = 512
+MIN_PARTITION_SIZE = 128
+
+
+def choose_partition_size(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int | None) -> int:
+    """Positions per partition: split long contexts until the grid has ~2 programs per SM.
+
+    Large batches already fill the GPU, so partitions stay at 512 (few partials to merge);
+    small batches with long contexts split further, down to 128, so every SM streams KV.
+    """
+    if not num_sms:
+        return MAX_PARTITION_SIZE
+    parts = math.ceil(2 * num_sms / max(1, num_seqs * kv_heads))
+    size = next_pow2(math.ceil(max_seq_len / parts))
+    return min(MAX_PARTITION_SIZE, max(MIN_PARTITION_SIZE, size))
+
+
+_num_sms: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms:
+        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms[index]
 
 
 @triton.jit
@@ -225,7 +251,8 @@ def paged_decode_attention(
             f"block_tables has {block_tables.shape[1]} columns x block_size {block_size} = "
             f"{block_tables.shape[1] * block_size} positions, fewer than max_seq_len {max_seq_len}"
         )
-    partition_size = DEFAULT_PARTITION_SIZE if partition_size is None else partition_size
+    if partition_size is None:
+        partition_size = choose_partition_size(num_seqs, kv_heads, max_seq_len, _sm_count(query.device))
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if num_seqs == 0:

@@ -25,7 +25,7 @@ from cluster.engine.attention import (
 )
 from cluster.kernels._common import check_device, interpreting
 from cluster.kernels.backend import TritonAttentionBackend
-from cluster.kernels.decode import _decode_partition_kernel, paged_decode_attention
+from cluster.kernels.decode import _decode_partition_kernel, choose_partition_size, paged_decode_attention
 from cluster.kernels.kv_write import write_kv
 from cluster.kernels.prefill import paged_prefill_attention
 
@@ -151,6 +151,16 @@ def test_decode_split_matches_single_partition():
         query, k_cache, v_cache, tables, lens, 0.125, 100, out=_nan_like(query), partition_size=16
     )
     torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
+
+
+def test_partition_size_fills_the_gpu_only_when_needed():
+    # 64 x 8 programs already cover 132 SMs twice: the largest partitions.
+    assert choose_partition_size(64, 8, 2048, 132) == 512
+    # One sequence, 8 kv heads: split 2048 positions into ~33 partitions -> 64, clamped to 128.
+    assert choose_partition_size(1, 8, 2048, 132) == 128
+    assert choose_partition_size(4, 8, 4096, 132) == 512  # 9 partitions of 456 -> 512
+    assert choose_partition_size(8, 4, 2048, 132) == 256  # 9 partitions of 228 -> 256
+    assert choose_partition_size(1, 8, 2048, None) == 512  # CPU / interpreter
 
 
 # ---- prefill ----
