@@ -54,6 +54,10 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 

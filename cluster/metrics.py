@@ -68,6 +68,8 @@ class ReplicaStats:
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     transfer_failures: int = 0
+    #: Data plane of the last transfer ("ray", or kv_transfer's "gloo" / "grpc" / "nccl").
+    last_transport: str = ""
     prefill_retries: int = 0
     local_fallbacks: int = 0
     #: Block pool ``check_integrity()`` at the last report (checked only for pools of <= 16384 blocks).

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cluster.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from cluster.errors import ConfigError
 
-TRANSPORTS = ("auto", "ray", "grpc", "gloo", "nccl")
 
 
 class _Frozen(BaseModel):
@@ -127,8 +126,11 @@ class ServeConfig(_Frozen):
     admission: AdmissionConfig = AdmissionConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     slo: SLOConfig = SLOConfig()
-    #: KV data plane: "ray" moves blocks as Ray objects (portable, in-tree); others via kv_transfer.
+    #: KV data plane. auto/grpc/gloo/nccl: kv_transfer (leases + gRPC control plane; auto picks the
+    #: fastest both sides support). "ray": blocks ride back as a Ray object in the prefill result.
     transport: Literal["auto", "ray", "grpc", "gloo", "nccl"] = "auto"
+    #: Address the decode replicas' kv_transfer gRPC service binds to; None: the node's IP.
+    kv_transfer_host: str | None = None
     #: How often replicas report routing stats to Serve's request routers.
     routing_stats_period_s: float = Field(0.5, gt=0)
     #: Expose ``/admin/pools`` (block counts, integrity) for tests and operators.

@@ -23,6 +23,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.metrics import ReplicaStats
 from cluster.serve_config import ServeConfig
 from cluster.serve_types import PrefillResult, PrefillTask
+from kv_transfer import KVSender, KVTransferConfig, LeaseState, PagedKV
 
 log = logging.getLogger("ray.serve")
 
@@ -42,8 +43,18 @@ class PrefillWorker:
         self.engine = AsyncEngine(engine)
         self.engine.start(asyncio.get_running_loop())
         self.board = board
+        self.sender: KVSender | None = None
+        if config.transport != "ray":
+            # The sender releases the source blocks exactly once; abort is idempotent, so the
+            # finally in ``prefill`` releasing them too is harmless.
+            self.sender = KVSender(
+                PagedKV(engine.kv_cache),
+                release=lambda rid, _ids: self.engine.abort(rid),
+                config=KVTransferConfig(transport=config.transport, lease_ttl_s=config.timeouts.prefill_timeout_s + 2.0),
+            )
         self._counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "transfer_failures": 0}
         self._integrity_ok: bool | None = None
+        self._last_transport = ""
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop()) if board is not None else None
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -56,6 +67,10 @@ class PrefillWorker:
             self._counters["transfer_failures"] += 1
             raise
         finally:
+            if task.lease is not None and self.sender is not None:
+                # Stops an in-flight send from gathering blocks we are about to free (local, no RPC:
+                # the decode replica ends its side of the lease itself). No-op after a completed send.
+                self.sender.leases.end(task.lease.lease_id, LeaseState.ABORTED, "prefill ended")
             self.engine.abort(rid)  # idempotent: releases held blocks on every path
 
     async def _prefill(self, rid: str, task: PrefillTask, params) -> PrefillResult:
@@ -65,22 +80,27 @@ class PrefillWorker:
             out = await next_output(q)
         t0 = time.perf_counter()
 
-        def gather(e: LLMEngine):
-            ids = e.held_kv_blocks(rid)[task.skip_blocks :]
-            return e.kv_cache[:, :, ids].clone(), len(ids)
+        first = out.new_token_ids[0]
+        if task.lease is not None and self.sender is not None:
+            ids = await self.engine.call(lambda e: e.held_kv_blocks(rid)[task.lease.first_block :])
+            # Blocking (bounded by the lease deadline): gathers held blocks, pushes, completes the lease.
+            sent = await asyncio.to_thread(self.sender.send, task.lease, ids, first_token_id=first)
+            kv, n, nbytes = None, sent.num_blocks, sent.nbytes
+            self._last_transport = sent.transport
+        else:
 
-        kv, n = await self.engine.call(gather)
-        nbytes = kv.numel() * kv.element_size()
-        if task.lease is not None:
-            from prefill_workers.kv_push import push_kv
+            def gather(e: LLMEngine):
+                ids = e.held_kv_blocks(rid)[task.skip_blocks :]
+                return e.kv_cache[:, :, ids].clone(), len(ids)
 
-            await push_kv(task.lease, kv)
-            kv = None
+            kv, n = await self.engine.call(gather)
+            nbytes = kv.numel() * kv.element_size()
+            self._last_transport = "ray"
         self._counters["transfers"] += 1
         self._counters["transfer_bytes"] += nbytes
         self._counters["transfer_seconds"] += time.perf_counter() - t0
         first_lp = out.new_logprobs[0] if out.new_logprobs else None
-        return PrefillResult(rid, out.new_token_ids[0], first_lp, self.replica_id, n, nbytes, kv.cpu() if kv is not None else None)
+        return PrefillResult(rid, first, first_lp, self.replica_id, n, nbytes, kv.cpu() if kv is not None else None)
 
     # ---- stats --------------------------------------------------------------------------
 
@@ -88,7 +108,7 @@ class PrefillWorker:
         snap = self.engine.snapshot()
         return ReplicaStats(
             pool="prefill", replica_id=self.replica_id, healthy=self.engine.alive, pid=os.getpid(),
-            integrity_ok=self._integrity_ok, **snap, **self._counters,
+            integrity_ok=self._integrity_ok, last_transport=self._last_transport, **snap, **self._counters,
         )
 
     def record_routing_stats(self) -> dict:
@@ -113,6 +133,9 @@ class PrefillWorker:
             await asyncio.sleep(self.config.routing_stats_period_s)
 
     def __del__(self):
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.close()
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown()

@@ -56,6 +56,7 @@ def server(demo_model):
             "device": "cpu",
             "host": "127.0.0.1",
             "port": port,
+            "kv_transfer_host": "127.0.0.1",
             "prefill": {**pool, "resources": {"prefill": 1}},
             "decode": {**pool, "resources": {"decode": 1}},
             "classifier": {"local_max_uncached_tokens": LOCAL_MAX},
@@ -161,6 +162,8 @@ def test_greedy_parity_local_and_remote(server, offline):
         assert choice["token_ids"] == want, f"{route} output differs from the offline engine"
         assert resp.json()["usage"]["completion_tokens"] == 12
     _wait(lambda: sum(r["transfers"] for r in pools(server)["decode"]) >= len(LONG), 10, "transfers reported")
+    # transport "auto" on CPU: kv_transfer's gloo data plane (gRPC control plane, leases)
+    assert pools(server)["prefill"][0]["last_transport"] == "gloo"
     metrics = httpx.get(f"{server}/metrics").text
     assert 'shapeserve_time_to_first_token_seconds_count{route="remote"}' in metrics
     assert 'shapeserve_requests_total{outcome="ok",route="local"}' in metrics
