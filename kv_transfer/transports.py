@@ -100,6 +100,7 @@ class GrpcTransport:
     name: ClassVar[str] = "grpc"
 
     def __init__(self, config: KVTransferConfig, layout: KVLayout, device: torch.device, sender_id: str):
+        self.layout = layout
         self.per_chunk = blocks_per_chunk(layout, config.grpc_chunk_bytes)
 
     @staticmethod
@@ -110,10 +111,14 @@ class GrpcTransport:
         failure: list[BaseException] = []
         sent = [0]
 
+        plan = chunks(lease.num_blocks, self.per_chunk)
+        buf = torch.empty(blocks_shape(self.layout, plan[0][1] if plan else 0), dtype=torch_dtype(self.layout.dtype))
+
         def messages() -> Iterator[bytes]:
             try:
-                for start, n in chunks(lease.num_blocks, self.per_chunk):
-                    payload = wire.TensorPayload.from_tensor(gather(start, n, None))
+                for start, n in plan:
+                    # The payload views ``buf``; encode() copies it before the next gather reuses it.
+                    payload = wire.TensorPayload.from_tensor(gather(start, n, buf[:, :, :n] if n == buf.shape[2] else None))
                     sent[0] += len(payload.data)
                     yield wire.encode(wire.BlockChunk(lease.lease_id, start, payload))
             except BaseException as e:  # grpc would swallow it as CANCELLED; keep the real reason

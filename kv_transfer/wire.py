@@ -30,16 +30,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class TensorPayload:
-    """A tensor as raw little-endian bytes. ``to_tensor`` shares the buffer (read-only) - copy before mutating."""
+    """A tensor as raw little-endian bytes. ``to_tensor`` shares the buffer (read-only) - copy before mutating.
+    ``from_tensor`` shares the tensor's memory (no copy until msgpack packs it): encode before reusing it."""
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | memoryview
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> TensorPayload:
         t = t.detach().to("cpu").contiguous()
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
         return cls(dtype_name(t.dtype), tuple(t.shape), data)
 
     @property
@@ -226,6 +227,8 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
 
 
 def _from_wire(value: Any, hint: Any, path: str) -> Any:
+    if hint == bytes | memoryview:  # we send views; we receive bytes
+        hint = bytes
     if isinstance(hint, type) and hint in _HINTS:
         return _dataclass_from_wire(value, hint, path)
     origin = typing.get_origin(hint)
