@@ -12,7 +12,7 @@ from cluster.engine.llm_engine import LLMEngine
 from kv_transfer import EngineReserver, KVReceiver, KVSender, KVTransferConfig, PagedKV, engine_release
 from tests.helpers import engine_config, random_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 MAX_TOKENS = 12
 CONFIG = dict(lease_ttl_s=10.0, rpc_timeout_s=5.0, grpc_chunk_bytes=8192, collective_chunk_bytes=16384)

@@ -28,7 +28,7 @@ from kv_transfer import (
 )
 from tests.integration.kv_peer import Peer, make_kv, peer_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TTL = 2.0
 #: Slack on top of the deadline for the reaper, process scheduling and a loaded 2-core CI box.
