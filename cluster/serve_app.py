@@ -109,3 +109,16 @@ def build_app(config: ServeConfig, model_dir: str | None = None) -> serve.Applic
         )
         .bind(config, model_dir, decode, board)
     )
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve's application-builder entry point (``import_path: cluster.serve_app:app_builder`` in a Serve
+    config YAML). ``args``: ``config`` (path of a ServeConfig YAML) and/or ``overrides`` (a mapping of
+    top-level ServeConfig fields), e.g. ``model``."""
+    from cluster.serve_config import load_serve_config
+
+    config = load_serve_config(args.get("config"))
+    overrides = args.get("overrides") or {}
+    if overrides:
+        config = config.with_overrides(**overrides)
+    return build_app(config)

@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                 ray.init(address=args.address)
             else:
                 ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+                if config.kv_transfer_host is None:  # one machine: keep KV transfer off the network
+                    config = config.with_overrides(kv_transfer_host="127.0.0.1")
             started_ray = True
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config, model_dir), name=APP_NAME, route_prefix="/", blocking=False)

@@ -101,10 +101,3 @@ def test_serve_config_errors_name_the_field(tmp_path):
     f.write_text("shapeserve:\n  port: 9000\n  classifier:\n    local_max_uncached_tokens: 8\n")
     cfg = load_serve_config(f)
     assert cfg.port == 9000 and cfg.classifier.local_max_uncached_tokens == 8
-
-
-def test_deploy_serve_yaml_is_valid():
-    from pathlib import Path
-
-    for f in sorted(Path(__file__).resolve().parents[2].glob("deploy/shapeserve*.yaml")):
-        load_serve_config(f)

@@ -1,0 +1,42 @@
+"""The files in deploy/ parse: ServeConfigs, the Serve config, the autoscaling policies (no Ray cluster)."""
+
+from pathlib import Path
+
+import yaml
+
+from cluster.serve_config import load_serve_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_serve_configs_validate():
+    for f in sorted(DEPLOY.glob("shapeserve*.yaml")):
+        load_serve_config(f)
+
+
+def test_gpu_config_places_pools_on_tagged_nodes():
+    cfg = load_serve_config(DEPLOY / "shapeserve.yaml")
+    assert cfg.prefill.resources == {"prefill": 1} and cfg.decode.resources == {"decode": 1}
+    nodes = yaml.safe_load((DEPLOY / "cluster-gpu.yaml").read_text())["available_node_types"]
+    assert nodes["prefill_gpu"]["resources"]["prefill"] == 1 and nodes["decode_gpu"]["resources"]["decode"] == 1
+
+
+def test_serve_app_yaml_and_autoscaling_policies():
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
+
+    ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / "serve-app.yaml").read_text()))
+    policies = [
+        AutoscalingConfig(**d["autoscaling_config"]).policy.get_policy()
+        for d in yaml.safe_load((DEPLOY / "autoscaling.yaml").read_text())["deployments"]
+    ]
+    assert policies == [PrefillAutoscalingPolicy, DecodeAutoscalingPolicy]
+
+
+def test_app_builder_builds_the_graph():
+    from cluster.serve_app import app_builder
+
+    app = app_builder({"config": str(DEPLOY / "shapeserve.yaml"), "overrides": {"port": 9001}})
+    assert type(app).__name__ == "Application"
