@@ -25,7 +25,7 @@ import torch
 from kv_transfer import collective, rpc, wire
 from kv_transfer.blocks import BlockReserver, BlockSink
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import LayoutMismatchError, LeaseEndedError, TransportError, WireFormatError
+from kv_transfer.errors import KVTransferError, LayoutMismatchError, LeaseEndedError, TransportError, WireFormatError
 from kv_transfer.lease import Lease, LeaseOutcome, LeaseState, LeaseTable
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.transports import CollectiveTransport, GrpcTransport, TRANSPORTS, supported_transports
@@ -143,8 +143,7 @@ class KVReceiver:
 
     def _on_end(self, lease: Lease, outcome: LeaseOutcome) -> None:
         started = self._started.pop(lease.lease_id, None)
-        if outcome.state == LeaseState.COMPLETED:
-            self.reserver.commit(lease.request_id, lease.block_ids, outcome.first_token_id)
+        if outcome.state == LeaseState.COMPLETED:  # ``complete`` committed the blocks already
             nbytes = lease.num_blocks * self.layout.bytes_per_block
             self.metrics.record_transfer("all", "received", nbytes, time.monotonic() - (started or time.monotonic()))
         else:
@@ -261,11 +260,18 @@ class KVReceiver:
         """Completes the lease if every block has arrived (commits them to the reserver); otherwise aborts
         it. Raises LeaseEndedError if it had already ended (e.g. an abort won the race)."""
         with self.leases.guard(lease_id) as entry:
-            missing = entry.lease.num_blocks - entry.num_received
+            lease = entry.lease
+            missing = lease.num_blocks - entry.num_received
             if missing:
-                reason = f"completion with {missing} of {entry.lease.num_blocks} blocks missing"
+                reason = f"completion with {missing} of {lease.num_blocks} blocks missing"
                 self.leases.end_guarded(entry, LeaseState.ABORTED, reason)
                 raise LeaseEndedError(f"lease {lease_id} aborted: {reason}")
+            try:
+                self.reserver.commit(lease.request_id, lease.block_ids, first_token_id)
+            except Exception as e:  # the owner refused the blocks: give them back instead of leaking them
+                reason = f"commit failed: {type(e).__name__}: {e}"
+                self.leases.end_guarded(entry, LeaseState.ABORTED, reason)
+                raise KVTransferError(f"lease {lease_id} aborted: {reason}") from e
             out = self.leases.end_guarded(entry, LeaseState.COMPLETED, "", first_token_id)
         assert out is not None
         return out

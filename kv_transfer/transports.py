@@ -118,7 +118,7 @@ class GrpcTransport:
             try:
                 for start, n in plan:
                     # The payload views ``buf``; encode() copies it before the next gather reuses it.
-                    payload = wire.TensorPayload.from_tensor(gather(start, n, buf[:, :, :n] if n == buf.shape[2] else None))
+                    payload = wire.TensorPayload.from_tensor(gather(start, n, buf if n == buf.shape[2] else None))
                     sent[0] += len(payload.data)
                     yield wire.encode(wire.BlockChunk(lease.lease_id, start, payload))
             except BaseException as e:  # grpc would swallow it as CANCELLED; keep the real reason

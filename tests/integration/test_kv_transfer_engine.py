@@ -6,10 +6,20 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from kv_transfer import EngineReserver, KVReceiver, KVSender, KVTransferConfig, PagedKV, engine_release
+from kv_transfer import (
+    EngineReserver,
+    KVReceiver,
+    KVSender,
+    KVTransferConfig,
+    KVTransferError,
+    LeaseState,
+    PagedKV,
+    engine_release,
+)
 from tests.helpers import engine_config, random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -76,3 +86,38 @@ def test_decode_engine_continues_exactly_from_transferred_kv(demo_model, transpo
     decode.block_pool.release(filler)
     decode.block_pool.check_integrity()
     assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks
+
+
+def test_failed_transfers_give_every_engine_block_back(demo_model):
+    """Expiry, a refused commit, and the fallback hook, against a real decode engine."""
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, [40], vocab=512, seed=5)[0]
+    decode, lock = LLMEngine(engine_config(demo_model, num_blocks=32)), threading.Lock()
+    pool = decode.block_pool
+    cfg = KVTransferConfig(transport="grpc", **dict(CONFIG, lease_ttl_s=0.5, reaper_interval_s=0.02))
+    src_kv = torch.randn_like(decode.kv_cache)
+    with KVReceiver(PagedKV(decode.kv_cache), EngineReserver(decode, lock), cfg).start() as receiver, KVSender(
+        PagedKV(src_kv), None, cfg
+    ) as sender:
+        lease = receiver.open_lease("expire", prompt_token_ids=prompt, context=greedy)
+        assert pool.num_free_blocks == pool.num_blocks - lease.num_blocks
+        assert receiver.wait(lease.lease_id, 3).state == LeaseState.EXPIRED
+        assert "expire" not in decode.requests and pool.num_free_blocks == pool.num_blocks
+
+        lease = receiver.open_lease("no-token", prompt_token_ids=prompt, context=greedy)
+        with pytest.raises(KVTransferError, match="commit failed: ValueError"):
+            sender.send(lease, list(range(lease.num_blocks)), first_token_id=None)
+        pool.check_integrity()
+        assert "no-token" not in decode.requests and pool.num_free_blocks == pool.num_blocks
+
+    # on_failed=fallback_to_local_prefill: the request survives a failed transfer and is prefilled here.
+    reference = LLMEngine(engine_config(demo_model, num_blocks=32))
+    reference.add_request("r", prompt, greedy)
+    expected = run_to_end(reference, threading.Lock(), "r")
+    reserver = EngineReserver(decode, lock, on_failed=decode.fallback_to_local_prefill)
+    with KVReceiver(PagedKV(decode.kv_cache), reserver, cfg).start() as receiver:
+        lease = receiver.open_lease("r", prompt_token_ids=prompt, context=greedy)
+        receiver.abort(lease.lease_id, "prefill replica died")
+    assert run_to_end(decode, lock, "r") == expected
+    pool.check_integrity()
+    assert pool.num_free_blocks == pool.num_blocks
