@@ -46,6 +46,19 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
+def time_copy(mb: int, repeats: int) -> float:
+    src = torch.randn((mb << 20) // 2, dtype=torch.float32).to(torch.float16)
+    dst = torch.empty_like(src)
+    return best_of(lambda: dst.copy_(src), repeats)
+
+
+def time_gather_scatter(n: int, repeats: int) -> float:
+    a = PagedKV(allocate_kv_cache(bench_layout(n + 8), "cpu"))
+    b = PagedKV(allocate_kv_cache(bench_layout(n + 8), "cpu"))
+    ids, buf = list(range(n)), torch.empty(a.kv[:, :, :n].shape, dtype=a.kv.dtype)
+    return best_of(lambda: b.scatter(ids[::-1], a.gather(ids, buf)), repeats)
+
+
 # ---- child: the sender --------------------------------------------------------------------
 
 
@@ -56,14 +69,19 @@ def run_sender(args: argparse.Namespace) -> None:
     kv = allocate_kv_cache(layout, device)
     kv.copy_(torch.randn(kv.shape, dtype=torch.float32).to(kv.dtype))  # not zeros: no compressible shortcuts
     pool, lock = BlockPool(layout.num_blocks), threading.Lock()
-    sender = KVSender(PagedKV(kv), pool_release(pool, lock), KVTransferConfig(transport=args.transport, lease_ttl_s=600))
+    sender = KVSender(
+        PagedKV(kv), pool_release(pool, lock), KVTransferConfig(transport=args.transport, lease_ttl_s=600)
+    )
     print(json.dumps({"event": "started"}), flush=True)
     for line in sys.stdin:
         lease = wire.decode(bytes.fromhex(line.strip()), wire.LeaseReply).lease
         with lock:
             src = pool.allocate(lease.num_blocks)[::-1]
         res = sender.send(lease, src, first_token_id=0)
-        print(json.dumps({"event": "sent", "seconds": res.seconds, "nbytes": res.nbytes, "transport": res.transport}), flush=True)
+        print(
+            json.dumps({"event": "sent", "seconds": res.seconds, "nbytes": res.nbytes, "transport": res.transport}),
+            flush=True,
+        )
     sender.close()
 
 
@@ -73,9 +91,23 @@ def run_sender(args: argparse.Namespace) -> None:
 class SenderProcess:
     def __init__(self, transport: str, num_blocks: int, threads: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.kv_transfer", "--role", "sender", "--transport", transport,
-             "--num-blocks", str(num_blocks), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(ROOT),
+            [
+                sys.executable,
+                "-m",
+                "bench.kv_transfer",
+                "--role",
+                "sender",
+                "--transport",
+                transport,
+                "--num-blocks",
+                str(num_blocks),
+                "--threads",
+                str(threads),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(ROOT),
         )
         self.read("started")
 
@@ -118,21 +150,15 @@ def main() -> None:
     block_bytes = bench_layout(1).bytes_per_block
     sizes = {mb: (mb << 20) // block_bytes for mb in args.sizes_mb}
     num_blocks = max(sizes.values()) + 8
-    print(f"# KV transfer bench: layout L={LAYERS} H={HEADS} D={HEAD_DIM} block_size={BLOCK_SIZE} {DTYPE} "
-          f"({block_bytes >> 10} KiB/block), best of {args.repeats}, torch threads/process={args.threads}")
+    print(
+        f"# KV transfer bench: layout L={LAYERS} H={HEADS} D={HEAD_DIM} block_size={BLOCK_SIZE} {DTYPE} "
+        f"({block_bytes >> 10} KiB/block), best of {args.repeats}, torch threads/process={args.threads}"
+    )
     print(f"# host: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}")
 
     # Baseline: a plain in-process copy of the same bytes (and a gather+scatter of the same blocks).
-    base, gs = {}, {}
-    for mb, n in sizes.items():
-        src = torch.randn((mb << 20) // 2, dtype=torch.float32).to(torch.float16)
-        dst = torch.empty_like(src)
-        base[mb] = best_of(lambda: dst.copy_(src), args.repeats)
-        del src, dst
-        a, b = PagedKV(allocate_kv_cache(bench_layout(n + 8), "cpu")), PagedKV(allocate_kv_cache(bench_layout(n + 8), "cpu"))
-        ids, buf = list(range(n)), torch.empty(a.kv[:, :, :n].shape, dtype=a.kv.dtype)
-        gs[mb] = best_of(lambda: b.scatter(ids[::-1], a.gather(ids, buf)), args.repeats)
-        del a, b
+    base = {mb: time_copy(mb, args.repeats) for mb in sizes}
+    gs = {mb: time_gather_scatter(n, args.repeats) for mb, n in sizes.items()}
 
     rows = []
     for mb in sizes:
@@ -147,7 +173,9 @@ def main() -> None:
         pool = BlockPool(num_blocks)
         reserver = PoolReserver(pool)
         receiver = KVReceiver(
-            PagedKV(allocate_kv_cache(dst_layout, device)), reserver, KVTransferConfig(transport=transport, lease_ttl_s=600)
+            PagedKV(allocate_kv_cache(dst_layout, device)),
+            reserver,
+            KVTransferConfig(transport=transport, lease_ttl_s=600),
         ).start()
         sender = SenderProcess(transport, num_blocks, args.threads)
         try:
@@ -159,7 +187,7 @@ def main() -> None:
             sender.close()
             receiver.close()
 
-    print(f"\n| size | path | seconds | GB/s | vs in-process copy |")
+    print("\n| size | path | seconds | GB/s | vs in-process copy |")
     print("|---:|---|---:|---:|---:|")
     for mb, name, secs, note in rows:
         if secs is None:

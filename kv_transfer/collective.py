@@ -78,7 +78,9 @@ def open_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> di
 class PairGroup:
     """One two-rank process group. Serializes its ops (one transfer at a time per pair)."""
 
-    def __init__(self, pair_id: str, backend: str, store: dist.Store, rank: int, device: torch.device, op_timeout_s: float):
+    def __init__(
+        self, pair_id: str, backend: str, store: dist.Store, rank: int, device: torch.device, op_timeout_s: float
+    ):
         self.pair_id = pair_id
         self.backend = backend
         self.rank = rank
@@ -146,7 +148,13 @@ class PairGroup:
 
 
 def make_group(
-    pair_id: str, backend: str, store: dist.Store, rank: int, device: torch.device, op_timeout_s: float, connect_timeout_s: float
+    pair_id: str,
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    device: torch.device,
+    op_timeout_s: float,
+    connect_timeout_s: float,
 ) -> PairGroup:
     """Builds this rank's side of the pair; both ranks must call it. Bounded by ``connect_timeout_s``."""
     return run_with_deadline(

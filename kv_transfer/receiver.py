@@ -16,7 +16,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -28,7 +28,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import KVTransferError, LayoutMismatchError, LeaseEndedError, TransportError, WireFormatError
 from kv_transfer.lease import Lease, LeaseOutcome, LeaseState, LeaseTable
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.transports import CollectiveTransport, GrpcTransport, TRANSPORTS, supported_transports
+from kv_transfer.transports import TRANSPORTS, CollectiveTransport, GrpcTransport, supported_transports
 
 log = logging.getLogger(__name__)
 
@@ -207,13 +207,17 @@ class KVReceiver:
         if msg.num_blocks < 0 or not msg.ttl_s > 0:
             raise WireFormatError(f"open_lease needs num_blocks >= 0 and ttl_s > 0, got {msg.num_blocks}, {msg.ttl_s}")
         ttl = min(msg.ttl_s, self.config.lease_ttl_s)
-        lease = self.open_lease(msg.request_id, num_blocks=msg.num_blocks, prompt_token_ids=msg.prompt_token_ids, ttl_s=ttl)
+        lease = self.open_lease(
+            msg.request_id, num_blocks=msg.num_blocks, prompt_token_ids=msg.prompt_token_ids, ttl_s=ttl
+        )
         return wire.LeaseReply(lease)
 
     def _join_group(self, raw: bytes) -> wire.JoinGroupReply:
         msg = wire.decode(raw, wire.JoinGroup)
         if msg.backend not in self.transports or not issubclass(TRANSPORTS[msg.backend], CollectiveTransport):
-            raise TransportError(f"receiver {self.receiver_id} does not offer {msg.backend!r} (offers {list(self.transports)})")
+            raise TransportError(
+                f"receiver {self.receiver_id} does not offer {msg.backend!r} (offers {list(self.transports)})"
+            )
         cfg = self.config
         group = collective.make_group(
             msg.pair_id,

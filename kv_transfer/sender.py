@@ -76,7 +76,12 @@ class KVSender:
     # ---- public API --------------------------------------------------------------------
 
     def open_lease(
-        self, receiver_addr: str, request_id: str, num_blocks: int, prompt_token_ids: Sequence[int] = (), ttl_s: float | None = None
+        self,
+        receiver_addr: str,
+        request_id: str,
+        num_blocks: int,
+        prompt_token_ids: Sequence[int] = (),
+        ttl_s: float | None = None,
     ) -> Lease | None:
         """Asks a receiver to reserve blocks (sender-initiated flow); None if it has none free now."""
         peer = self._peer(receiver_addr)
@@ -122,7 +127,9 @@ class KVSender:
         self.metrics.record_transfer(transport, "sent", nbytes, seconds)
         return TransferResult(lease.lease_id, lease.request_id, transport, lease.num_blocks, nbytes, seconds)
 
-    def submit(self, lease: Lease, src_block_ids: Sequence[int], *, first_token_id: int | None = None) -> futures.Future:
+    def submit(
+        self, lease: Lease, src_block_ids: Sequence[int], *, first_token_id: int | None = None
+    ) -> futures.Future:
         """``send`` on a worker thread; the future holds the TransferResult or the KVTransferError."""
         return self._pool.submit(self.send, lease, src_block_ids, first_token_id=first_token_id)
 
@@ -170,7 +177,12 @@ class KVSender:
     def _tell_abort(self, lease: Lease, reason: str) -> None:
         try:
             peer = self._peer(lease.receiver_addr, timeout_s=min(1.0, self.config.rpc_timeout_s))
-            peer.client.call("AbortLease", wire.AbortLease(lease.lease_id, reason), wire.LeaseStatus, min(1.0, self.config.rpc_timeout_s))
+            peer.client.call(
+                "AbortLease",
+                wire.AbortLease(lease.lease_id, reason),
+                wire.LeaseStatus,
+                min(1.0, self.config.rpc_timeout_s),
+            )
         except KVTransferError as e:  # the receiver's lease expires on its own
             log.debug("abort of lease %s not delivered: %s", lease.lease_id, e)
 

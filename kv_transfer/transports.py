@@ -145,7 +145,9 @@ class GrpcTransport:
                 if lease_id is None:
                     lease_id = msg.lease_id
                 elif msg.lease_id != lease_id:
-                    raise WireFormatError(f"one PushBlocks stream carries one lease: got {msg.lease_id} after {lease_id}")
+                    raise WireFormatError(
+                        f"one PushBlocks stream carries one lease: got {msg.lease_id} after {lease_id}"
+                    )
                 _check_chunk(writer, msg.blocks.shape, msg.blocks.dtype)
                 writer.write(lease_id, msg.start, msg.blocks.to_tensor())
                 count += msg.blocks.shape[2]
@@ -155,7 +157,9 @@ class GrpcTransport:
             raise
         except Exception as e:  # the request stream broke: sender gone or deadline passed
             left = context.time_remaining()
-            why = "deadline passed with the sender silent" if left is not None and left <= 0.05 else "sender disconnected"
+            why = (
+                "deadline passed with the sender silent" if left is not None and left <= 0.05 else "sender disconnected"
+            )
             if lease_id is not None:
                 writer.abort(lease_id, f"block stream broke after {count} blocks: {why}")
             raise PeerUnavailableError(f"block stream broke after {count} blocks: {why} ({type(e).__name__})") from e
@@ -218,7 +222,10 @@ class CollectiveTransport:
             )
             try:
                 peer.client.call(
-                    "JoinGroup", wire.JoinGroup(pair_id, self.backend, self.sender_id), wire.JoinGroupReply, cfg.connect_timeout_s
+                    "JoinGroup",
+                    wire.JoinGroup(pair_id, self.backend, self.sender_id),
+                    wire.JoinGroupReply,
+                    cfg.connect_timeout_s,
                 )
                 group = mine.result(timeout=cfg.connect_timeout_s)
             except futures.TimeoutError:
@@ -254,7 +261,11 @@ class CollectiveTransport:
                 raise TransportError(f"{self.backend} send of lease {lease.lease_id} ran past its deadline") from None
             except Exception:
                 group.close()
-                if sending.done() and sending.exception() is not None and not isinstance(sending.exception(), TransportError):
+                if (
+                    sending.done()
+                    and sending.exception() is not None
+                    and not isinstance(sending.exception(), TransportError)
+                ):
                     raise sending.exception() from None  # e.g. LeaseEndedError from our own gather
                 raise
         if reply.num_blocks != lease.num_blocks:

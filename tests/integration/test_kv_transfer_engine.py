@@ -58,7 +58,9 @@ def test_decode_engine_continues_exactly_from_transferred_kv(demo_model, transpo
         decode.add_request("warm", prompt[:32] + [1, 2], SamplingParams(max_tokens=1, temperature=0.0))
         run_to_end(decode, dlock, "warm")
 
-    prefill.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold_kv_on_finish=True)
+    prefill.add_request(
+        "r", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold_kv_on_finish=True
+    )
     first = run_to_end(prefill, plock, "r")
     assert first == expected[:1]
     held = prefill.held_kv_blocks("r")
@@ -96,9 +98,10 @@ def test_failed_transfers_give_every_engine_block_back(demo_model):
     pool = decode.block_pool
     cfg = KVTransferConfig(transport="grpc", **dict(CONFIG, lease_ttl_s=0.5, reaper_interval_s=0.02))
     src_kv = torch.randn_like(decode.kv_cache)
-    with KVReceiver(PagedKV(decode.kv_cache), EngineReserver(decode, lock), cfg).start() as receiver, KVSender(
-        PagedKV(src_kv), None, cfg
-    ) as sender:
+    with (
+        KVReceiver(PagedKV(decode.kv_cache), EngineReserver(decode, lock), cfg).start() as receiver,
+        KVSender(PagedKV(src_kv), None, cfg) as sender,
+    ):
         lease = receiver.open_lease("expire", prompt_token_ids=prompt, context=greedy)
         assert pool.num_free_blocks == pool.num_blocks - lease.num_blocks
         assert receiver.wait(lease.lease_id, 3).state == LeaseState.EXPIRED

@@ -88,25 +88,31 @@ def test_lease_cannot_end_during_a_guarded_write():
     assert ended.is_set()
 
 
-def test_abort_racing_completion_ends_exactly_once():
-    for i in range(200):
-        table = LeaseTable()
-        calls = []
-        table.add(make_lease(i), 10, lambda lease, out: calls.append(out.state))
-        barrier = threading.Barrier(3)
-        results = {}
+def race_complete_and_abort() -> None:
+    table = LeaseTable()
+    calls = []
+    table.add(make_lease(), 10, lambda lease, out: calls.append(out.state))
+    barrier = threading.Barrier(3)
+    results = {}
 
-        def run(state):
-            barrier.wait()
-            results[state] = table.end(f"lease-{i}", state)
-
-        threads = [threading.Thread(target=run, args=(s,)) for s in (LeaseState.COMPLETED, LeaseState.ABORTED)]
-        [t.start() for t in threads]
+    def run(state):
         barrier.wait()
-        [t.join() for t in threads]
-        assert len(calls) == 1
-        winners = [s for s, out in results.items() if out is not None]
-        assert winners == calls
+        results[state] = table.end("lease-0", state)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (LeaseState.COMPLETED, LeaseState.ABORTED)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    winners = [s for s, out in results.items() if out is not None]
+    assert winners == calls
+
+
+def test_abort_racing_completion_ends_exactly_once():
+    for _ in range(200):
+        race_complete_and_abort()
 
 
 def test_wait_and_reaper_thread():

@@ -55,8 +55,16 @@ class Side:
 
 
 def config(transport="grpc", **kw) -> KVTransferConfig:
-    base = dict(transport=transport, lease_ttl_s=3.0, rpc_timeout_s=2.0, connect_timeout_s=3.0,
-                collective_timeout_s=3.0, grpc_chunk_bytes=2048, collective_chunk_bytes=4096, reaper_interval_s=0.02)
+    base = dict(
+        transport=transport,
+        lease_ttl_s=3.0,
+        rpc_timeout_s=2.0,
+        connect_timeout_s=3.0,
+        collective_timeout_s=3.0,
+        grpc_chunk_bytes=2048,
+        collective_chunk_bytes=4096,
+        reaper_interval_s=0.02,
+    )
     base.update(kw)
     return KVTransferConfig(**base)
 

@@ -78,9 +78,21 @@ def _chunk_fields(**over):
         (_envelope("push_reply", {"lease_id": "l1", "num_blocks": True}), "num_blocks: expected an integer"),
         (_envelope("push_reply", {"lease_id": 7, "num_blocks": 3}), "lease_id: expected str"),
         (_envelope("collective_push", {"lease_id": "l", "pair_id": "p", "chunk_blocks": [1, "2"]}), "chunk_blocks[1]"),
-        (_envelope("block_chunk", _chunk_fields(blocks={"dtype": "bfloat16", "shape": [2, 2, 3, 4, 2, 8], "data": b"\0" * 10})), "need 1536"),
-        (_envelope("block_chunk", _chunk_fields(blocks={"dtype": "int8", "shape": [1], "data": b"\0"})), "not a KV dtype"),
-        (_envelope("block_chunk", _chunk_fields(blocks={"dtype": "float32", "shape": [-1, 4], "data": b""})), "negative"),
+        (
+            _envelope(
+                "block_chunk",
+                _chunk_fields(blocks={"dtype": "bfloat16", "shape": [2, 2, 3, 4, 2, 8], "data": b"\0" * 10}),
+            ),
+            "need 1536",
+        ),
+        (
+            _envelope("block_chunk", _chunk_fields(blocks={"dtype": "int8", "shape": [1], "data": b"\0"})),
+            "not a KV dtype",
+        ),
+        (
+            _envelope("block_chunk", _chunk_fields(blocks={"dtype": "float32", "shape": [-1, 4], "data": b""})),
+            "negative",
+        ),
         (_envelope("block_chunk", _chunk_fields(blocks="raw")), "blocks: expected a map"),
     ],
 )
