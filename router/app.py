@@ -340,6 +340,9 @@ class Router:
             raise self._upstream_error(_cause(e)) from None
         if isinstance(first, Started):
             timing.started = time.monotonic()
+            # The route the decode replica took: a REMOTE request that found no room for a lease
+            # prefills locally. (A later fallback after a failed prefill shows in the pool metrics.)
+            timing.route = route = first.route
         headers = {"x-shapeserve-route": route}
         run = _Run(self, kind, req, rid, prompt, gen, ticket, timing, first)
         if req.stream:
