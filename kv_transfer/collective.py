@@ -16,7 +16,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -102,9 +103,19 @@ class PairGroup:
         else:
             raise TransportError(f"unknown collective backend {backend!r}")
 
+    @contextmanager
+    def exclusive(self, deadline: float) -> Iterator[None]:
+        """Holds the group for one transfer; TransferTimeoutError if another does not finish by ``deadline``."""
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransferTimeoutError(f"{self.backend} group {self.pair_id} stayed busy past the deadline")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous receive buffer of ``shape``, reused across chunks (fresh pages cost more than the copy).
-        Caller holds ``self.lock``."""
+        Caller holds the group (``exclusive``)."""
         numel = math.prod(shape)
         buf = self._staging
         if buf is None or buf.dtype != dtype or buf.numel() < numel:

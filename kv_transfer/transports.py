@@ -250,7 +250,7 @@ class CollectiveTransport:
                 nbytes += t.numel() * t.element_size()
             return nbytes
 
-        with group.lock:
+        with group.exclusive(deadline):
             sending = self._pool.submit(send_all)
             try:
                 announce = wire.CollectivePush(lease.lease_id, group.pair_id, tuple(n for _, n in plan))
@@ -287,7 +287,7 @@ class CollectiveTransport:
         lay = writer.layout
         dtype = torch_dtype(lay.dtype)
         start = 0
-        with group.lock:
+        with group.exclusive(deadline):
             try:
                 for n in push.chunk_blocks:
                     staging = group.staging(blocks_shape(lay, n), dtype)

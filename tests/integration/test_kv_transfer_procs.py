@@ -30,7 +30,7 @@ from tests.integration.kv_peer import Peer, make_kv, peer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-TTL = 2.0
+TTL = 3.0
 #: Slack on top of the deadline for the reaper, process scheduling and a loaded 2-core CI box.
 SLACK = 2.0
 

@@ -293,3 +293,19 @@ def test_paged_kv_moves_whole_blocks():
     with pytest.raises(ValueError, match="out of range"):
         dst.scatter([1, 2, SHAPE["blocks"]], out)
     assert paged.layout.mismatch(dst.layout) is None
+
+
+@pytest.mark.parametrize("pair", ["grpc", "gloo"], indirect=True)
+def test_concurrent_sends_to_one_receiver(pair):
+    receiver, sender, dst, src, reserver = pair
+    jobs = []
+    for i in range(6):
+        src_ids = hold_source(src, 3)
+        lease = receiver.open_lease(f"r{i}", num_blocks=3)
+        jobs.append((lease, src_ids, sender.submit(lease, src_ids, first_token_id=i)))
+    for lease, src_ids, future in jobs:
+        assert future.result(timeout=10).num_blocks == 3
+        assert receiver.wait(lease.lease_id, 2).first_token_id == int(lease.request_id[1:])
+        assert torch.equal(dst.kv[:, :, list(lease.block_ids)], src.kv[:, :, src_ids])
+        reserver.release_committed(lease.request_id)
+    assert dst.all_free() and src.all_free()
