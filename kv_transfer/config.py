@@ -33,6 +33,8 @@ class KVTransferConfig:
     #: How often the reaper looks for expired leases.
     reaper_interval_s: float = 0.1
     server_threads: int = 16
+    #: Collective groups a receiver keeps (one per sender and backend); the least recently used is closed.
+    max_peer_groups: int = 64
 
     def validate(self) -> KVTransferConfig:
         if self.transport not in TRANSPORT_CHOICES:
@@ -42,7 +44,7 @@ class KVTransferConfig:
         for name in ("lease_ttl_s", "rpc_timeout_s", "connect_timeout_s", "collective_timeout_s", "reaper_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}", name)
-        for name in ("grpc_chunk_bytes", "collective_chunk_bytes", "server_threads"):
+        for name in ("grpc_chunk_bytes", "collective_chunk_bytes", "server_threads", "max_peer_groups"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}", name)
         if not 0 <= self.port < 65536:

@@ -35,6 +35,10 @@ class TransportError(KVTransferError):
     """The data plane failed (collective op error, transport not supported by both sides)."""
 
 
+class StaleGroupError(TransportError):
+    """The receiver no longer has the sender's collective group (evicted, broken, restarted): rejoin."""
+
+
 ERRORS_BY_NAME: dict[str, type[KVTransferError]] = {
     cls.__name__: cls
     for cls in (
@@ -45,5 +49,6 @@ ERRORS_BY_NAME: dict[str, type[KVTransferError]] = {
         TransferTimeoutError,
         PeerUnavailableError,
         TransportError,
+        StaleGroupError,
     )
 }

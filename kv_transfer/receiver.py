@@ -16,6 +16,7 @@ import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,14 @@ import torch
 from kv_transfer import collective, rpc, wire
 from kv_transfer.blocks import BlockReserver, BlockSink
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import KVTransferError, LayoutMismatchError, LeaseEndedError, TransportError, WireFormatError
+from kv_transfer.errors import (
+    KVTransferError,
+    LayoutMismatchError,
+    LeaseEndedError,
+    StaleGroupError,
+    TransportError,
+    WireFormatError,
+)
 from kv_transfer.lease import Lease, LeaseOutcome, LeaseState, LeaseTable
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.transports import TRANSPORTS, CollectiveTransport, GrpcTransport, supported_transports
@@ -54,7 +62,8 @@ class KVReceiver:
         self._server: grpc.Server | None = None
         self._store = None
         self._store_addr = ""
-        self._groups: dict[str, collective.PairGroup] = {}
+        #: Collective groups by pair id, least recently used first (senders that died idle age out).
+        self._groups: OrderedDict[str, collective.PairGroup] = OrderedDict()
         self._group_by_sender: dict[tuple[str, str], str] = {}
         self._groups_lock = threading.Lock()
         self._started: dict[str, float] = {}
@@ -234,15 +243,20 @@ class KVReceiver:
                 self._groups.pop(old).close()  # a sender only rejoins after its group broke
             self._groups[msg.pair_id] = group
             self._group_by_sender[(msg.sender_id, msg.backend)] = msg.pair_id
+            while len(self._groups) > self.config.max_peer_groups:
+                _, oldest = self._groups.popitem(last=False)
+                oldest.close()
+            self._group_by_sender = {k: v for k, v in self._group_by_sender.items() if v in self._groups}
         return wire.JoinGroupReply(msg.pair_id)
 
     def _push_collective(self, raw: bytes) -> wire.PushReply:
         msg = wire.decode(raw, wire.CollectivePush)
         with self._groups_lock:
             group = self._groups.get(msg.pair_id)
-        if group is None or group.broken:
-            self.abort(msg.lease_id, f"collective group {msg.pair_id} is unknown or broken")
-            raise TransportError(f"collective group {msg.pair_id} is unknown or broken; rejoin")
+            if group is not None:
+                self._groups.move_to_end(msg.pair_id)
+        if group is None or group.broken:  # nothing was received: the sender may rejoin and retry
+            raise StaleGroupError(f"collective group {msg.pair_id} is unknown or broken here; rejoin")
         entry = self.leases.get(msg.lease_id)
         deadline = entry.deadline if entry else time.monotonic()
         try:

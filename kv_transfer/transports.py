@@ -25,7 +25,13 @@ from cluster.engine.kv_cache import KVLayout, torch_dtype
 from kv_transfer import collective, rpc, wire
 from kv_transfer.blocks import blocks_shape
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.errors import KVTransferError, PeerUnavailableError, TransportError, WireFormatError
+from kv_transfer.errors import (
+    KVTransferError,
+    PeerUnavailableError,
+    StaleGroupError,
+    TransportError,
+    WireFormatError,
+)
 from kv_transfer.lease import Lease
 
 #: Preference of ``auto``: fastest first.
@@ -238,6 +244,12 @@ class CollectiveTransport:
             return group
 
     def send_blocks(self, peer: Peer, lease: Lease, gather: Gather, deadline: float) -> int:
+        try:
+            return self._send_once(peer, lease, gather, deadline)
+        except StaleGroupError:  # the receiver dropped our group (idle too long, or restarted): rejoin once
+            return self._send_once(peer, lease, gather, deadline)
+
+    def _send_once(self, peer: Peer, lease: Lease, gather: Gather, deadline: float) -> int:
         group = self._group(peer)
         plan = chunks(lease.num_blocks, self.per_chunk)
         dtype = torch_dtype(self.layout.dtype)

@@ -309,3 +309,23 @@ def test_concurrent_sends_to_one_receiver(pair):
         assert torch.equal(dst.kv[:, :, list(lease.block_ids)], src.kv[:, :, src_ids])
         reserver.release_committed(lease.request_id)
     assert dst.all_free() and src.all_free()
+
+
+def test_receiver_caps_collective_groups_and_evicted_senders_rejoin():
+    dst, a, b = Side(None), Side(seed=1), Side(seed=2)
+    reserver = PoolReserver(dst.pool, dst.lock)
+    receiver = KVReceiver(PagedKV(dst.kv), reserver, config("gloo", max_peer_groups=1)).start()
+    senders = [KVSender(PagedKV(s.kv), pool_release(s.pool, s.lock), config("gloo")) for s in (a, b)]
+    try:
+        for i, (side, sender) in enumerate([(a, senders[0]), (b, senders[1]), (a, senders[0])]):
+            src_ids = hold_source(side, 2)
+            lease = receiver.open_lease(f"r{i}", num_blocks=2)
+            assert sender.send(lease, src_ids, first_token_id=1).transport == "gloo"  # the third one rejoins
+            assert torch.equal(dst.kv[:, :, list(lease.block_ids)], side.kv[:, :, src_ids])
+            reserver.release_committed(f"r{i}")
+        assert len(receiver._groups) == 1
+        assert dst.all_free() and a.all_free() and b.all_free()
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
