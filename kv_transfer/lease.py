@@ -184,15 +184,16 @@ class LeaseTable:
         ended or is past its deadline (then it expires here). The lease cannot end inside the block."""
         entry = self.get(lease_id)
         if entry is None:
-            raise self._ended_error(lease_id)
+            raise self.ended_error(lease_id)
         with entry.lock:
             if not entry.state.is_ended and self._clock() >= entry.deadline:
                 self.end_guarded(entry, LeaseState.EXPIRED, "lease deadline passed")
             if entry.state.is_ended:
-                raise self._ended_error(lease_id)
+                raise self.ended_error(lease_id)
             yield entry
 
-    def _ended_error(self, lease_id: str) -> LeaseEndedError:
+    def ended_error(self, lease_id: str) -> LeaseEndedError:
+        """The error that says why ``lease_id`` is not active (ended how, or unknown)."""
         out = self.outcome(lease_id)
         if out is None:
             return LeaseEndedError(f"lease {lease_id} is unknown here (never opened, or ended long ago)")
@@ -205,7 +206,7 @@ class LeaseTable:
         if entry is None:
             out = self.outcome(lease_id)
             if out is None:
-                raise self._ended_error(lease_id)
+                raise self.ended_error(lease_id)
             return out
         if not entry.done.wait(timeout):
             raise TransferTimeoutError(f"lease {lease_id} did not end within {timeout:.1f}s")

@@ -181,7 +181,7 @@ class KVReceiver:
     def lease(self, lease_id: str) -> Lease:
         entry = self.leases.get(lease_id)
         if entry is None:
-            raise self.leases._ended_error(lease_id)
+            raise self.leases.ended_error(lease_id)
         return entry.lease
 
     def ended_reason(self, lease_id: str) -> str | None:
