@@ -63,9 +63,17 @@ class AsyncEngine:
 
     # ---- calls from the event loop ---------------------------------------------------------
 
-    async def call(self, fn: Callable[[LLMEngine], T], stream_id: str | None = None) -> T:
-        """Runs ``fn(engine)`` on the engine thread; with ``stream_id``, that request's outputs go to
-        ``self.stream(stream_id)`` from then on (registered in the same engine-thread turn)."""
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` on the engine thread between two steps and returns its result."""
+        result, _ = await self._submit(fn, None)
+        return result
+
+    async def call_with_stream(self, fn: Callable[[LLMEngine], T], request_id: str) -> tuple[T, asyncio.Queue]:
+        """Like ``call``; if ``fn`` succeeds, ``request_id``'s outputs go to the returned queue from the
+        same engine-thread turn on (so none is missed, even if the request finishes at the next step)."""
+        return await self._submit(fn, request_id)
+
+    async def _submit(self, fn: Callable[[LLMEngine], T], stream_id: str | None) -> tuple[T, asyncio.Queue | None]:
         if not self.alive:
             raise EngineDead(f"engine is not running: {self._error!r}")
         fut: Future = Future()
@@ -83,14 +91,13 @@ class AsyncEngine:
                 fut.set_result(result)
 
         self._commands.put(command)
-        return await asyncio.wrap_future(fut)
-
-    def stream(self, request_id: str) -> asyncio.Queue:
-        return self._streams[request_id]
+        return await asyncio.wrap_future(fut), q
 
     async def add_request(self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False) -> asyncio.Queue:
-        await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish), stream_id=request_id)
-        return self._streams[request_id]
+        _, q = await self.call_with_stream(
+            lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish), request_id
+        )
+        return q
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks at the next engine turn. Idempotent; never blocks; safe after finish."""

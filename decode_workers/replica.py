@@ -165,7 +165,7 @@ class DecodeWorker:
         rid, prompt = task.request_id, list(task.prompt_token_ids)
         give_up = time.time() + self.config.timeouts.reserve_timeout_s
         while True:
-            slot = await self.engine.call(lambda e: self._reserve(e, rid, prompt, task.params), stream_id=rid)
+            slot, q = await self.engine.call_with_stream(lambda e: self._reserve(e, rid, prompt, task.params), rid)
             if slot is not None or time.time() >= give_up:
                 break
             await asyncio.sleep(0.02)
@@ -176,7 +176,6 @@ class DecodeWorker:
             async for out in self._drain(q, task):
                 yield out
             return
-        q = self.engine.stream(rid)
         yield Started("remote", self.replica_id)
         result, slot = await self._prefill_with_retries(task, slot)
         self._end_lease(rid)  # no-op after a completed transfer; stops a late sender otherwise
@@ -302,11 +301,21 @@ class DecodeWorker:
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.routing_stats_period_s)
 
-    def __del__(self):
+    def shutdown(self) -> None:
+        """Stops the KV receiver (open leases end) and the engine thread. Idempotent."""
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None and not reporter.done():
+            try:
+                reporter.cancel()
+            except RuntimeError:  # its loop is already closed
+                pass
         receiver = getattr(self, "receiver", None)
         if receiver is not None:
             receiver.close()
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown()
+
+    def __del__(self):
+        self.shutdown()
 

@@ -132,10 +132,20 @@ class PrefillWorker:
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.routing_stats_period_s)
 
-    def __del__(self):
+    def shutdown(self) -> None:
+        """Stops the KV sender (in-flight sends end) and the engine thread. Idempotent."""
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None and not reporter.done():
+            try:
+                reporter.cancel()
+            except RuntimeError:  # its loop is already closed
+                pass
         sender = getattr(self, "sender", None)
         if sender is not None:
             sender.close()
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown()
+
+    def __del__(self):
+        self.shutdown()

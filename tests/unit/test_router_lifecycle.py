@@ -1,0 +1,219 @@
+"""The request lifecycle between a decode and a prefill replica, in one process without Ray.
+
+The pool replica classes run as they do under Serve, wired with a fake handle that can fail,
+hang or succeed; both KV data planes (kv_transfer over gRPC, and the Ray-object path) are used.
+Every scenario ends with no KV block in use on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, SamplingParams
+from cluster.engine.block_pool import hash_full_blocks
+from cluster.engine.llm_engine import LLMEngine, RequestOutput
+from cluster.serve_config import parse_serve_config
+from cluster.serve_types import GenerateTask
+from decode_workers.replica import DecodeWorker
+from prefill_workers.replica import PrefillWorker
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [4 + (i * 37) % 500 for i in range(70)]
+
+
+class FakeResponse:
+    def __init__(self, coro):
+        self.task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self):
+        self.task.cancel()
+
+
+class FakePrefillHandle:
+    """``handle.prefill.remote(task)`` like a Serve handle; ``behaviour(attempt)`` -> "ok" | "fail" | "hang"."""
+
+    def __init__(self, worker: PrefillWorker, behaviour=lambda attempt: "ok"):
+        self.worker = worker
+        self.behaviour = behaviour
+        self.calls = 0
+        self.prefill = SimpleNamespace(remote=lambda task: FakeResponse(self._call(task)))
+
+    async def _call(self, task):
+        self.calls += 1
+        what = self.behaviour(task.attempt)
+        if what == "fail":
+            raise RuntimeError("prefill replica died")
+        if what == "hang":
+            await asyncio.sleep(3600)
+        return await self.worker.prefill(task)
+
+
+def config(transport: str):
+    pool = {"num_cpus": 0, "num_blocks": 64, "num_threads": 1}
+    return parse_serve_config(
+        {
+            "device": "cpu",
+            "transport": transport,
+            "kv_transfer_host": "127.0.0.1",
+            "prefill": pool,
+            "decode": pool,
+            "timeouts": {"prefill_timeout_s": 1.0, "max_prefill_attempts": 2},
+        }
+    )
+
+
+async def make_pair(model_dir, transport, behaviour=lambda attempt: "ok"):
+    cfg = config(transport)
+    prefill = PrefillWorker.__new__(PrefillWorker)
+    await prefill.__init__(cfg, str(model_dir))
+    decode = DecodeWorker.__new__(DecodeWorker)
+    handle = FakePrefillHandle(prefill, behaviour)
+    await decode.__init__(cfg, str(model_dir), handle)
+    return prefill, decode, handle
+
+
+def task(rid="r1", prompt=PROMPT, params=GREEDY, route="remote"):
+    return GenerateTask(rid, tuple(prompt), params, route, time.time() + 30, tuple(hash_full_blocks(prompt, 16)))
+
+
+async def run_to_end(decode: DecodeWorker, t: GenerateTask):
+    items = [item async for item in decode.generate(t)]
+    return items[0], [tok for o in items[1:] if isinstance(o, RequestOutput) for tok in o.new_token_ids]
+
+
+async def assert_idle(*workers):
+    for _ in range(100):
+        snaps = [w.engine.snapshot() for w in workers]
+        if all(s["kv_blocks_used"] == 0 and s["active_requests"] == 0 for s in snaps):
+            break
+        await asyncio.sleep(0.02)
+    for w in workers:
+        assert w.engine.snapshot()["kv_blocks_used"] == 0, w
+        assert await w.engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def expected(demo_model):
+    engine = LLMEngine(EngineConfig(model=str(demo_model), cache=CacheConfig(num_blocks=64)))
+    return engine.generate([PROMPT], GREEDY)[0]["token_ids"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "ray"])
+def test_remote_prefill_matches_offline(demo_model, expected, transport):
+    async def main():
+        prefill, decode, handle = await make_pair(demo_model, transport)
+        try:
+            started, ids = await run_to_end(decode, task())
+            first_bytes = decode.stats().transfer_bytes
+            # same prompt again: the decode side's prefix-cache hits are not transferred again
+            _, ids2 = await run_to_end(decode, task("r2"))
+            await assert_idle(prefill, decode)
+            return started, ids, ids2, decode.stats(), prefill.stats(), first_bytes
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    started, ids, ids2, dstats, pstats, first_bytes = run(main())
+    assert started.route == "remote"
+    assert ids == expected and ids2 == expected
+    assert dstats.transfers == 2 and dstats.local_fallbacks == 0
+    assert pstats.last_transport == transport
+    # PROMPT is 70 tokens = 5 blocks; the second transfer skips the 4 full blocks cached on the decode side
+    per_block = first_bytes // 5
+    assert first_bytes == 5 * per_block and dstats.transfer_bytes - first_bytes == per_block
+
+
+def test_failed_prefill_is_retried(demo_model, expected):
+    async def main():
+        prefill, decode, handle = await make_pair(demo_model, "grpc", lambda attempt: "fail" if attempt == 0 else "ok")
+        try:
+            _, ids = await run_to_end(decode, task())
+            await assert_idle(prefill, decode)
+            return ids, decode.stats(), handle.calls
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    ids, stats, calls = run(main())
+    assert ids == expected and calls == 2
+    assert (stats.prefill_retries, stats.transfer_failures, stats.local_fallbacks, stats.transfers) == (1, 1, 0, 1)
+
+
+@pytest.mark.parametrize("how", ["fail", "hang"])
+def test_prefill_pool_gone_falls_back_to_local(demo_model, expected, how):
+    async def main():
+        prefill, decode, handle = await make_pair(demo_model, "grpc", lambda attempt: how)
+        try:
+            _, ids = await run_to_end(decode, task())
+            await assert_idle(prefill, decode)
+            return ids, decode.stats()
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    ids, stats = run(main())
+    assert ids == expected
+    assert (stats.prefill_retries, stats.local_fallbacks, stats.transfers) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "ray"])
+def test_cancel_mid_stream_frees_blocks_on_both_sides(demo_model, transport):
+    async def main():
+        prefill, decode, _ = await make_pair(demo_model, transport)
+        try:
+            gen = decode.generate(task(params=dataclasses.replace(GREEDY, max_tokens=500)))
+            assert (await gen.__anext__()).route == "remote"
+            await gen.__anext__()  # the first token: decode holds the request's blocks
+            assert decode.engine.snapshot()["kv_blocks_used"] > 0
+            await gen.aclose()  # what Serve does when the client disconnects
+            await assert_idle(prefill, decode)
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    run(main())
+
+
+def test_cancel_during_remote_prefill_frees_blocks_on_both_sides(demo_model):
+    async def main():
+        prefill, decode, handle = await make_pair(demo_model, "grpc", lambda attempt: "hang")
+        try:
+            consumer = asyncio.ensure_future(run_to_end(decode, task()))
+            await asyncio.sleep(0.3)  # reserved on decode, prefill call in flight
+            assert decode.engine.snapshot()["waiting_for_remote_kv"] == 1
+            consumer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+            await assert_idle(prefill, decode)
+            assert not decode._leases
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    run(main())
+
+
+def test_local_route_does_not_touch_prefill(demo_model, expected):
+    async def main():
+        prefill, decode, handle = await make_pair(demo_model, "grpc")
+        try:
+            started, ids = await run_to_end(decode, task(route="local"))
+            return started, ids, handle.calls
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    started, ids, calls = run(main())
+    assert started.route == "local" and ids == expected and calls == 0
