@@ -83,7 +83,7 @@ class AsyncEngine:
             if fut.set_running_or_notify_cancel():
                 try:
                     result = fn(self.engine)
-                except BaseException as e:  # handed to the awaiting caller
+                except BaseException as e:  # handed to the awaiting caller  # noqa: BLE001
                     fut.set_exception(e)
                     return
                 if q is not None:
@@ -93,7 +93,9 @@ class AsyncEngine:
         self._commands.put(command)
         return await asyncio.wrap_future(fut), q
 
-    async def add_request(self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False) -> asyncio.Queue:
+    async def add_request(
+        self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False
+    ) -> asyncio.Queue:
         _, q = await self.call_with_stream(
             lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish), request_id
         )

@@ -108,7 +108,9 @@ class PoolStatsCollector:
             return c
 
         yield gauge("pool_running_requests", "Requests running in the engine", lambda s: s.running)
-        yield gauge("pool_waiting_requests", "Requests waiting in the engine (incl. for remote KV)", lambda s: s.waiting)
+        yield gauge(
+            "pool_waiting_requests", "Requests waiting in the engine (incl. for remote KV)", lambda s: s.waiting
+        )
         yield gauge("pool_kv_blocks_total", "KV blocks in the pool", lambda s: s.kv_blocks_total)
         yield gauge("pool_kv_blocks_used", "KV blocks referenced by requests", lambda s: s.kv_blocks_used)
         yield gauge("pool_kv_usage", "Fraction of KV blocks in use", lambda s: s.kv_usage)
@@ -121,14 +123,20 @@ class PoolStatsCollector:
         yield gauge("pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.queued_prefill_tokens)
         yield gauge("batch_num_seqs", "Sequences in the last step", lambda s: s.geometry.num_seqs)
         yield gauge("batch_num_tokens", "Tokens computed in the last step", lambda s: s.geometry.num_tokens)
-        yield gauge("batch_prefill_fraction", "Prompt share of the last step's tokens", lambda s: s.geometry.prefill_fraction)
+        yield gauge(
+            "batch_prefill_fraction", "Prompt share of the last step's tokens", lambda s: s.geometry.prefill_fraction
+        )
         yield gauge("batch_length_cv", "Coefficient of variation of running lengths", lambda s: s.geometry.length_cv)
         yield gauge("batch_max_min_ratio", "Longest / shortest running sequence", lambda s: s.geometry.max_min_ratio)
-        yield gauge("batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.geometry.kv_footprint_bytes)
+        yield gauge(
+            "batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.geometry.kv_footprint_bytes
+        )
         yield counter("kv_transfers", "KV transfers completed", lambda s: s.transfers)
         yield counter("kv_transfer_bytes", "KV bytes moved between pools", lambda s: s.transfer_bytes)
         yield counter("kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfer_seconds)
-        yield counter("kv_transfer_failures", "Failed or timed-out KV transfers / prefills", lambda s: s.transfer_failures)
+        yield counter(
+            "kv_transfer_failures", "Failed or timed-out KV transfers / prefills", lambda s: s.transfer_failures
+        )
         yield counter("prefill_retries", "Prefills retried on another replica", lambda s: s.prefill_retries)
         yield counter("local_prefill_fallbacks", "Remote prefills that fell back to local", lambda s: s.local_fallbacks)
 
@@ -151,17 +159,42 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         route = ["route"]
-        self.ttft = Histogram("shapeserve_time_to_first_token_seconds", "TTFT at the router", route, buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(
-            "shapeserve_time_per_output_token_seconds", "Mean time per output token after the first", route,
-            buckets=_TOKEN_BUCKETS, registry=r,
+        self.ttft = Histogram(
+            "shapeserve_time_to_first_token_seconds", "TTFT at the router", route, buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.itl = Histogram("shapeserve_inter_token_latency_seconds", "Gap between streamed tokens", route, buckets=_TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("shapeserve_e2e_request_latency_seconds", "Arrival to last token", route, buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("shapeserve_queue_time_seconds", "Arrival until a decode replica took the request", route, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "shapeserve_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            route,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "shapeserve_inter_token_latency_seconds",
+            "Gap between streamed tokens",
+            route,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "shapeserve_e2e_request_latency_seconds",
+            "Arrival to last token",
+            route,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "shapeserve_queue_time_seconds",
+            "Arrival until a decode replica took the request",
+            route,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter("shapeserve_requests", "Finished requests", ["route", "outcome"], registry=r)
         self.good = Counter("shapeserve_goodput_requests", "Requests meeting the TTFT and TPOT SLOs", route, registry=r)
-        self.rejected = Counter("shapeserve_rejected_requests", "429s by the class whose budget was full", ["route_class"], registry=r)
+        self.rejected = Counter(
+            "shapeserve_rejected_requests", "429s by the class whose budget was full", ["route_class"], registry=r
+        )
         self.errors = Counter("shapeserve_request_errors", "Requests answered with an error", ["status"], registry=r)
         self.prompt_tokens = Counter("shapeserve_prompt_tokens", "Prompt tokens of served requests", route, registry=r)
         self.generation_tokens = Counter("shapeserve_generation_tokens", "Generated tokens", route, registry=r)

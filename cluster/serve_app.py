@@ -64,7 +64,9 @@ def _pool_options(name: str, pool: PoolConfig, config: ServeConfig, router_cls: 
         "graceful_shutdown_timeout_s": config.timeouts.request_timeout_s,
     }
     if pool.autoscaling is not None:
-        opts["autoscaling_config"] = serve_autoscaling_config("prefill" if "Prefill" in name else "decode", pool.autoscaling)
+        opts["autoscaling_config"] = serve_autoscaling_config(
+            "prefill" if "Prefill" in name else "decode", pool.autoscaling
+        )
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts

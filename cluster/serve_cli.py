@@ -19,7 +19,9 @@ from cluster.errors import ShapeserveError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: the demo model)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights and KV dtype")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights and KV dtype"
+    )
     parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
     parser.add_argument("--config", default=None, help="ServeConfig YAML (pools, classifier, admission, timeouts)")

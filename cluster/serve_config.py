@@ -18,7 +18,6 @@ from cluster.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from cluster.errors import ConfigError
 
 
-
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from ray import serve
 
 from cluster.async_engine import AsyncEngine, next_output
-from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation, RequestOutput
 from cluster.engine.kv_cache import torch_dtype
+from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation, RequestOutput
 from cluster.metrics import ReplicaStats
 from cluster.serve_config import ServeConfig
 from cluster.serve_types import GenerateTask, PrefillResult, PrefillTask, Started
@@ -36,7 +36,7 @@ log = logging.getLogger("ray.serve")
 def replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve
+    except Exception:  # outside Serve  # noqa: BLE001
         return "local"
 
 
@@ -45,7 +45,7 @@ def _node_ip() -> str:
         import ray
 
         return ray.util.get_node_ip_address()
-    except Exception:
+    except Exception:  # noqa: BLE001
         return "127.0.0.1"
 
 
@@ -232,8 +232,14 @@ class DecodeWorker:
                 )
             deadline = min(task.deadline, time.time() + self.config.timeouts.prefill_timeout_s)
             ptask = PrefillTask(
-                task.request_id, task.prompt_token_ids, task.params, slot.skip_blocks, deadline, task.block_hashes,
-                attempt, slot.lease,
+                task.request_id,
+                task.prompt_token_ids,
+                task.params,
+                slot.skip_blocks,
+                deadline,
+                task.block_hashes,
+                attempt,
+                slot.lease,
             )
             t0 = time.perf_counter()
             resp = self.prefill.prefill.remote(ptask)
@@ -243,7 +249,7 @@ class DecodeWorker:
             except asyncio.CancelledError:
                 resp.cancel()
                 raise
-            except Exception as e:  # dead replica, deadline, bad KV: this attempt failed before the first token
+            except Exception as e:  # dead replica, deadline, bad KV: this attempt failed before the first token  # noqa: BLE001
                 resp.cancel()
                 self._counters["transfer_failures"] += 1
                 log.warning("prefill of %s failed (attempt %d/%d): %r", task.request_id, attempt + 1, attempts, e)
@@ -269,8 +275,13 @@ class DecodeWorker:
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats(
-            pool="decode", replica_id=self.replica_id, healthy=self.engine.alive, pid=os.getpid(),
-            integrity_ok=self._integrity_ok, **self.engine.snapshot(), **self._counters
+            pool="decode",
+            replica_id=self.replica_id,
+            healthy=self.engine.alive,
+            pid=os.getpid(),
+            integrity_ok=self._integrity_ok,
+            **self.engine.snapshot(),
+            **self._counters,
         )
 
     def record_routing_stats(self) -> dict:
@@ -297,7 +308,7 @@ class DecodeWorker:
                 if self.engine.engine.kv_layout.num_blocks <= 16384:
                     self._integrity_ok = await self.engine.check_integrity()
                 await self.board.report.remote(self.stats())
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.routing_stats_period_s)
 
@@ -318,4 +329,3 @@ class DecodeWorker:
 
     def __del__(self):
         self.shutdown()
-

@@ -11,9 +11,9 @@ Every exit path (deadline, cancellation by the decode replica, failure) frees th
 from __future__ import annotations
 
 import asyncio
-import os
 import dataclasses
 import logging
+import os
 import time
 
 from ray import serve
@@ -31,7 +31,7 @@ log = logging.getLogger("ray.serve")
 def replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (unit use)
+    except Exception:  # outside Serve (unit use)  # noqa: BLE001
         return "local"
 
 
@@ -50,7 +50,9 @@ class PrefillWorker:
             self.sender = KVSender(
                 PagedKV(engine.kv_cache),
                 release=lambda rid, _ids: self.engine.abort(rid),
-                config=KVTransferConfig(transport=config.transport, lease_ttl_s=config.timeouts.prefill_timeout_s + 2.0),
+                config=KVTransferConfig(
+                    transport=config.transport, lease_ttl_s=config.timeouts.prefill_timeout_s + 2.0
+                ),
             )
         self._counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "transfer_failures": 0}
         self._integrity_ok: bool | None = None
@@ -62,7 +64,9 @@ class PrefillWorker:
         rid = task.request_id
         params = dataclasses.replace(task.params, max_tokens=1, stop=(), ignore_eos=True)
         try:
-            return await asyncio.wait_for(self._prefill(rid, task, params), timeout=max(0.0, task.deadline - time.time()))
+            return await asyncio.wait_for(
+                self._prefill(rid, task, params), timeout=max(0.0, task.deadline - time.time())
+            )
         except Exception:  # not CancelledError: the decode side giving up is no failure here
             self._counters["transfer_failures"] += 1
             raise
@@ -107,13 +111,23 @@ class PrefillWorker:
     def stats(self) -> ReplicaStats:
         snap = self.engine.snapshot()
         return ReplicaStats(
-            pool="prefill", replica_id=self.replica_id, healthy=self.engine.alive, pid=os.getpid(),
-            integrity_ok=self._integrity_ok, last_transport=self._last_transport, **snap, **self._counters,
+            pool="prefill",
+            replica_id=self.replica_id,
+            healthy=self.engine.alive,
+            pid=os.getpid(),
+            integrity_ok=self._integrity_ok,
+            last_transport=self._last_transport,
+            **snap,
+            **self._counters,
         )
 
     def record_routing_stats(self) -> dict:
         s = self.stats()
-        return {"queued_prefill_tokens": s.queued_prefill_tokens, "kv_blocks_free": s.kv_blocks_free, "running": s.running}
+        return {
+            "queued_prefill_tokens": s.queued_prefill_tokens,
+            "kv_blocks_free": s.kv_blocks_free,
+            "running": s.running,
+        }
 
     def record_autoscaling_stats(self) -> dict:
         return {"queued_prefill_tokens": float(self.stats().queued_prefill_tokens)}
@@ -128,7 +142,7 @@ class PrefillWorker:
                 if self.engine.engine.kv_layout.num_blocks <= 16384:
                     self._integrity_ok = await self.engine.check_integrity()
                 await self.board.report.remote(self.stats())
-            except Exception as e:  # the board restarting must not stop the replica
+            except Exception as e:  # the board restarting must not stop the replica  # noqa: BLE001
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.routing_stats_period_s)
 

@@ -10,7 +10,6 @@ A client disconnect cancels the handler, which cancels the decode call (and thro
 prefill call): every side frees the request's blocks.
 """
 
-
 import asyncio
 import logging
 import time
@@ -114,7 +113,7 @@ class _Run:
             raise
         except APIError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             raise self.r._upstream_error(_cause(e)) from None
         finally:
             if not self.done:
@@ -136,7 +135,12 @@ class _Run:
         want_lp = self.req._want_logprobs()
         body["choices"] = [
             completion_choice(
-                self.kind, "".join(text), finish, ids if self.req.return_token_ids else None, lps if want_lp else None, False
+                self.kind,
+                "".join(text),
+                finish,
+                ids if self.req.return_token_ids else None,
+                lps if want_lp else None,
+                False,
             )
         ]
         body["usage"] = self._usage()
@@ -262,8 +266,11 @@ class Router:
     def _check_model(self, model: str) -> None:
         if model not in (self.config.model_name, self.model_dir):
             raise APIError(
-                404, f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                "not_found_error", "model", "model_not_found",
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                "not_found_error",
+                "model",
+                "model_not_found",
             )
 
     @staticmethod
@@ -305,7 +312,9 @@ class Router:
         )
         # Before the first pool report arrives, assume the prefill pool is there.
         prefill_up = self._pool_ready("prefill") or not self._pool_stats
-        decision = classify(geometry, self.config.classifier, self.config.admission, self.admission.snapshot(prefill_up))
+        decision = classify(
+            geometry, self.config.classifier, self.config.admission, self.admission.snapshot(prefill_up)
+        )
         if decision.route is Route.REJECT:
             self.metrics.rejected.labels(decision.route_class.value).inc()
             self.metrics.errors.labels("429").inc()
@@ -333,7 +342,7 @@ class Router:
         gen = self.decode.options(stream=True).generate.remote(task)
         try:
             first = await gen.__anext__()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001
             gen.cancel()
             self.admission.release(ticket, 0)
             self.metrics.observe_finished(timing, "error", len(prompt))
@@ -366,4 +375,6 @@ class Router:
             raise e
         log.warning("decode call failed: %r", e)
         self.metrics.errors.labels("503").inc()
-        return APIError(503, f"no decode replica could serve the request: {type(e).__name__}", "server_error", code="unavailable")
+        return APIError(
+            503, f"no decode replica could serve the request: {type(e).__name__}", "server_error", code="unavailable"
+        )

@@ -126,7 +126,9 @@ def assert_no_blocks_in_use(url: str, timeout_s: float = 15.0):
         reps = p["prefill"] + p["decode"]
         fresh = all(r["reported_at"] > started for r in reps)
         ok = (
-            p["prefill"] and p["decode"] and fresh
+            p["prefill"]
+            and p["decode"]
+            and fresh
             and all(r["kv_blocks_used"] == 0 and r["active_requests"] == 0 and r["integrity_ok"] for r in reps)
         )
         return ok and p
@@ -136,8 +138,15 @@ def assert_no_blocks_in_use(url: str, timeout_s: float = 15.0):
 
 
 def complete(url: str, prompt, max_tokens: int, **extra) -> httpx.Response:
-    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
+    body = {
+        "model": "demo",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
@@ -151,7 +160,9 @@ def test_greedy_parity_local_and_remote(server, offline):
     async def send_all():
         async with httpx.AsyncClient(timeout=120) as c:
             body = {"model": "demo", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json={**body, "prompt": p}) for p in prompts))
+            return await asyncio.gather(
+                *(c.post(f"{server}/v1/completions", json={**body, "prompt": p}) for p in prompts)
+            )
 
     responses = asyncio.run(send_all())
     for prompt, resp, want in zip(prompts, responses, expected):
@@ -178,27 +189,45 @@ def test_openai_client_completions_and_chat(server, offline):
     assert [m.id for m in client.models.list().data] == ["demo"]
     n_prompt = len(offline.tokenizer("Hello there").input_ids)
 
-    r = client.completions.create(model="demo", prompt="Hello there", max_tokens=5, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="demo", prompt="Hello there", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 5, n_prompt + 5)
     assert r.choices[0].finish_reason == "length"
 
-    chunks = list(client.completions.create(model="demo", prompt="Hello there", max_tokens=5, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="demo",
+            prompt="Hello there",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == n_prompt
 
     messages = [{"role": "user", "content": "hi"}]
-    c = client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    c = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     chat_ids = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     n_chat = len(offline.tokenizer(chat_ids, add_special_tokens=False).input_ids)
     assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (n_chat, 4)
     assert c.choices[0].message.role == "assistant"
-    stream = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    stream = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(s.choices[0].delta.content or "" for s in stream if s.choices) == c.choices[0].message.content
     assert stream[-1].usage.completion_tokens == 4
 
@@ -212,8 +241,15 @@ def test_bad_input_errors_leave_running_request_alone(server, offline):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"model": "demo", "prompt": LONG[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True, "stream": True}
+            body = {
+                "model": "demo",
+                "prompt": LONG[0],
+                "max_tokens": 60,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "stream": True,
+            }
             async with c.stream("POST", f"{server}/v1/completions", json=body) as resp:
                 assert resp.status_code == 200
                 ids, bad_done = [], False
@@ -224,9 +260,15 @@ def test_bad_input_errors_leave_running_request_alone(server, offline):
                     if not bad_done:  # mid-stream: a burst of bad requests
                         bad_done = True
                         result["bad"] = await asyncio.gather(
-                            c.post(f"{server}/v1/completions", content=b"{nope", headers={"content-type": "application/json"}),
+                            c.post(
+                                f"{server}/v1/completions",
+                                content=b"{nope",
+                                headers={"content-type": "application/json"},
+                            ),
                             c.post(f"{server}/v1/completions", json={"model": "demo"}),
-                            c.post(f"{server}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2000}),
+                            c.post(
+                                f"{server}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2000}
+                            ),
                             c.post(f"{server}/v1/completions", json={"model": "gpt-x", "prompt": "x"}),
                             c.post(f"{server}/v1/completions", json={"model": "demo", "prompt": "x", "top_p": 7}),
                         )
@@ -262,15 +304,20 @@ def test_overload_is_429_with_retry_after(server):
 
 
 def test_client_disconnect_frees_blocks_on_both_pools(server):
-    body = {"model": "demo", "prompt": long_prompt(7, 200), "max_tokens": 800, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", f"{server}/v1/completions", json=body) as resp:
-            assert resp.status_code == 200 and resp.headers["x-shapeserve-route"] == "remote"
-            lines = resp.iter_lines()
-            for _ in range(10):
-                next(lines)
-            _wait(lambda: any(r["kv_blocks_used"] > 0 for r in pools(server)["decode"]), 10, "decode blocks in use")
+    body = {
+        "model": "demo",
+        "prompt": long_prompt(7, 200),
+        "max_tokens": 800,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{server}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["x-shapeserve-route"] == "remote"
+        lines = resp.iter_lines()
+        for _ in range(10):
+            next(lines)
+        _wait(lambda: any(r["kv_blocks_used"] > 0 for r in pools(server)["decode"]), 10, "decode blocks in use")
         # leaving the block closes the connection mid-stream
     p = assert_no_blocks_in_use(server)
     assert all(r["running"] == 0 and r["waiting"] == 0 for r in p["decode"])
@@ -284,10 +331,14 @@ def test_killed_prefill_replica_every_request_completes(server, offline):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
             body = {"model": "demo", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-            tasks = [asyncio.create_task(c.post(f"{server}/v1/completions", json={**body, "prompt": p})) for p in prompts[:2]]
+            tasks = [
+                asyncio.create_task(c.post(f"{server}/v1/completions", json={**body, "prompt": p})) for p in prompts[:2]
+            ]
             await asyncio.sleep(0.05)
             os.kill(prefill_pid, signal.SIGKILL)
-            tasks += [asyncio.create_task(c.post(f"{server}/v1/completions", json={**body, "prompt": p})) for p in prompts[2:]]
+            tasks += [
+                asyncio.create_task(c.post(f"{server}/v1/completions", json={**body, "prompt": p})) for p in prompts[2:]
+            ]
             return await asyncio.gather(*tasks)
 
     responses = asyncio.run(main())

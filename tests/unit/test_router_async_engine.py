@@ -52,7 +52,7 @@ def test_call_propagates_errors(demo_model):
         ae.start(asyncio.get_running_loop())
         try:
             await ae.call(lambda e: e.add_request("x", [], GREEDY))
-        except Exception as exc:  # InvalidRequestError: empty prompt
+        except Exception as exc:  # InvalidRequestError: empty prompt  # noqa: BLE001
             return exc
         finally:
             ae.shutdown()

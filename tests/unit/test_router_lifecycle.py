@@ -113,7 +113,7 @@ def run(coro):
 @pytest.mark.parametrize("transport", ["grpc", "ray"])
 def test_remote_prefill_matches_offline(demo_model, expected, transport):
     async def main():
-        prefill, decode, handle = await make_pair(demo_model, transport)
+        prefill, decode, _handle = await make_pair(demo_model, transport)
         try:
             started, ids = await run_to_end(decode, task())
             first_bytes = decode.stats().transfer_bytes
@@ -154,7 +154,7 @@ def test_failed_prefill_is_retried(demo_model, expected):
 @pytest.mark.parametrize("how", ["fail", "hang"])
 def test_prefill_pool_gone_falls_back_to_local(demo_model, expected, how):
     async def main():
-        prefill, decode, handle = await make_pair(demo_model, "grpc", lambda attempt: how)
+        prefill, decode, _handle = await make_pair(demo_model, "grpc", lambda attempt: how)
         try:
             _, ids = await run_to_end(decode, task())
             await assert_idle(prefill, decode)
@@ -188,7 +188,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(demo_model, transport):
 
 def test_cancel_during_remote_prefill_frees_blocks_on_both_sides(demo_model):
     async def main():
-        prefill, decode, handle = await make_pair(demo_model, "grpc", lambda attempt: "hang")
+        prefill, decode, _handle = await make_pair(demo_model, "grpc", lambda attempt: "hang")
         try:
             consumer = asyncio.ensure_future(run_to_end(decode, task()))
             await asyncio.sleep(0.3)  # reserved on decode, prefill call in flight

@@ -5,8 +5,17 @@ from cluster.serve_config import SLOConfig
 
 
 def test_timings_goodput_and_pool_families():
-    stats = [ReplicaStats(pool="decode", replica_id="d1", kv_blocks_total=100, kv_blocks_used=25,
-                          prefix_queries=10, prefix_hits=4, geometry=BatchGeometry(num_seqs=3, prefill_fraction=0.5))]
+    stats = [
+        ReplicaStats(
+            pool="decode",
+            replica_id="d1",
+            kv_blocks_total=100,
+            kv_blocks_used=25,
+            prefix_queries=10,
+            prefix_hits=4,
+            geometry=BatchGeometry(num_seqs=3, prefill_fraction=0.5),
+        )
+    ]
     m = RouterMetrics(SLOConfig(ttft_ms=100, tpot_ms=50), stats_source=lambda: stats)
     fast = RequestTiming(arrival=0.0, route="remote", started=0.01)
     for t in (0.05, 0.08, 0.11):  # TTFT 50 ms, TPOT 30 ms

@@ -43,8 +43,19 @@ def test_unsupported_values_are_400(field, value):
 
 def test_sampling_params_and_extensions():
     req = parse_body(
-        body(model="m", prompt=[5, 6, 7], max_tokens=3, temperature=0, top_k=5, seed=1, ignore_eos=True,
-             stop="x", return_token_ids=True, stream=True, stream_options={"include_usage": True}),
+        body(
+            model="m",
+            prompt=[5, 6, 7],
+            max_tokens=3,
+            temperature=0,
+            top_k=5,
+            seed=1,
+            ignore_eos=True,
+            stop="x",
+            return_token_ids=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
         CompletionRequest,
     )
     p = req.sampling_params(default_max_tokens=16)
@@ -64,8 +75,12 @@ def test_sampling_params_invalid_raise_named_error():
 
 def test_chat_max_completion_tokens_wins_and_parts_join():
     req = parse_body(
-        body(model="m", max_tokens=5, max_completion_tokens=7,
-             messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
+        body(
+            model="m",
+            max_tokens=5,
+            max_completion_tokens=7,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        ),
         ChatCompletionRequest,
     )
     assert req.sampling_params(16).max_tokens == 7

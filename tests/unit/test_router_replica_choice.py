@@ -57,8 +57,12 @@ def test_prefill_long_queue_beats_affinity():
 
 
 T = AutoscalingThresholds(
-    min_replicas=1, max_replicas=4, target_queued_prefill_tokens_per_replica=1000,
-    kv_usage_scale_up=0.8, kv_usage_scale_down=0.3, target_running_seqs_per_replica=10,
+    min_replicas=1,
+    max_replicas=4,
+    target_queued_prefill_tokens_per_replica=1000,
+    kv_usage_scale_up=0.8,
+    kv_usage_scale_down=0.3,
+    target_running_seqs_per_replica=10,
 )
 
 
