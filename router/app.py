@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -126,11 +127,12 @@ class _Run:
 
     async def collect(self) -> dict[str, Any]:
         text, ids, lps, finish = [], [], [], None
-        async for out in self.outputs():
-            text.append(out.new_text)
-            ids.extend(out.new_token_ids)
-            lps.extend(out.new_logprobs)
-            finish = out.finish_reason
+        async with aclosing(self.outputs()) as outputs:
+            async for out in outputs:
+                text.append(out.new_text)
+                ids.extend(out.new_token_ids)
+                lps.extend(out.new_logprobs)
+                finish = out.finish_reason
         body = response_envelope(self.kind, self.rid, self.model, stream=False)
         want_lp = self.req._want_logprobs()
         body["choices"] = [
@@ -149,21 +151,22 @@ class _Run:
     async def sse(self) -> AsyncIterator[bytes]:
         want_lp = self.req._want_logprobs()
         try:
-            async for out in self.outputs():
-                chunk = response_envelope(self.kind, self.rid, self.model, stream=True)
-                chunk["choices"] = [
-                    completion_choice(
-                        self.kind,
-                        out.new_text,
-                        out.finish_reason,
-                        list(out.new_token_ids) if self.req.return_token_ids else None,
-                        list(out.new_logprobs) if want_lp else None,
-                        True,
-                    )
-                ]
-                if self.req.include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
+            async with aclosing(self.outputs()) as outputs:
+                async for out in outputs:
+                    chunk = response_envelope(self.kind, self.rid, self.model, stream=True)
+                    chunk["choices"] = [
+                        completion_choice(
+                            self.kind,
+                            out.new_text,
+                            out.finish_reason,
+                            list(out.new_token_ids) if self.req.return_token_ids else None,
+                            list(out.new_logprobs) if want_lp else None,
+                            True,
+                        )
+                    ]
+                    if self.req.include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
         except APIError as e:
             yield sse(e.body())
             yield sse("[DONE]")
