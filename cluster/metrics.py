@@ -131,6 +131,12 @@ class PoolStatsCollector:
         yield gauge(
             "batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.geometry.kv_footprint_bytes
         )
+        fmt = GaugeMetricFamily(
+            "shapeserve_pool_kv_format_info", "KV page format each replica serves", labels=[*labels, "dtype"]
+        )
+        for s in stats:
+            fmt.add_metric([s.pool, s.replica_id, s.kv_dtype], 1.0)
+        yield fmt
         yield counter("kv_transfers", "KV transfers completed", lambda s: s.transfers)
         yield counter("kv_transfer_bytes", "KV bytes moved between pools", lambda s: s.transfer_bytes)
         yield counter("kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfer_seconds)

@@ -10,6 +10,7 @@ def test_timings_goodput_and_pool_families():
             pool="decode",
             replica_id="d1",
             kv_blocks_total=100,
+            kv_dtype="bfloat16",
             kv_blocks_used=25,
             prefix_queries=10,
             prefix_hits=4,
@@ -34,4 +35,5 @@ def test_timings_goodput_and_pool_families():
     assert 'shapeserve_pool_kv_usage{pool="decode",replica="d1"} 0.25' in text
     assert 'shapeserve_pool_prefix_cache_hit_rate{pool="decode",replica="d1"} 0.4' in text
     assert 'shapeserve_batch_prefill_fraction{pool="decode",replica="d1"} 0.5' in text
+    assert 'shapeserve_pool_kv_format_info{dtype="bfloat16",pool="decode",replica="d1"} 1.0' in text
     assert fast.num_output_tokens == 3
