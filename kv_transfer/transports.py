@@ -169,10 +169,13 @@ class GrpcTransport:
             if lease_id is not None:
                 writer.abort(lease_id, f"block stream broke after {count} blocks: {why}")
             raise PeerUnavailableError(f"block stream broke after {count} blocks: {why} ({type(e).__name__})") from e
-        if not context.is_active():
-            if lease_id is not None:
-                writer.abort(lease_id, "sender went away mid-stream")
-            raise PeerUnavailableError(f"sender went away after {count} blocks")
+        # A sender puts a whole lease on one stream. A short one means it died: gRPC sometimes ends the
+        # request iterator quietly when the connection drops, rather than raising.
+        expected = writer.lease(lease_id).num_blocks if lease_id is not None else 0
+        if lease_id is not None and (count < expected or not context.is_active()):
+            reason = f"block stream ended after {count} of {expected} blocks: sender disconnected"
+            writer.abort(lease_id, reason)
+            raise PeerUnavailableError(reason)
         return wire.PushReply(lease_id or "", count)
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from kv_transfer import (
     LeaseEndedError,
     LeaseState,
     PagedKV,
+    PeerUnavailableError,
     PoolReserver,
     TransportError,
     WireFormatError,
@@ -168,10 +169,22 @@ def test_malformed_block_data_is_refused_before_any_block_is_written(pair, bad, 
     assert dst.all_free()
 
 
-def test_truncated_stream_cannot_complete(pair):
+def test_short_stream_aborts_the_lease(pair):
+    """A stream that ends before the lease's last block is a sender that died (gRPC can end it quietly)."""
     receiver, sender, dst, src, _ = pair
     lease = receiver.open_lease("r", num_blocks=4)
-    assert _push_raw(receiver, [_chunk(lease.lease_id, 0, src.kv[:, :, :2].contiguous())]).num_blocks == 2
+    with pytest.raises(PeerUnavailableError, match="ended after 2 of 4 blocks"):
+        _push_raw(receiver, [_chunk(lease.lease_id, 0, src.kv[:, :, :2].contiguous())])
+    assert receiver.wait(lease.lease_id, 1).state == LeaseState.ABORTED
+    with pytest.raises(LeaseEndedError, match="aborted"):
+        receiver.complete(lease.lease_id, 1)
+    assert dst.all_free()
+
+
+def test_completion_with_blocks_missing_is_refused(pair):
+    receiver, sender, dst, src, _ = pair
+    lease = receiver.open_lease("r", num_blocks=4)
+    receiver.write(lease.lease_id, 0, src.kv[:, :, :2].contiguous())
     with pytest.raises(LeaseEndedError, match="2 of 4 blocks missing"):
         receiver.complete(lease.lease_id, 1)
     assert receiver.wait(lease.lease_id, 1).state == LeaseState.ABORTED
