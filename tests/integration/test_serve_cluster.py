@@ -180,6 +180,7 @@ def test_greedy_parity_local_and_remote(server, offline):
         assert resp.json()["usage"]["completion_tokens"] == 12
     _wait(lambda: sum(r["transfers"] for r in pools(server)["decode"]) >= len(LONG), 10, "transfers reported")
     # transport "auto" on CPU: kv_transfer's gloo data plane (gRPC control plane, leases)
+    _wait(lambda: pools(server)["prefill"][0]["last_transport"], 10, "prefill transfers reported")
     assert pools(server)["prefill"][0]["last_transport"] == "gloo"
     metrics = httpx.get(f"{server}/metrics").text
     assert 'shapeserve_time_to_first_token_seconds_count{route="remote"}' in metrics
