@@ -43,8 +43,20 @@ class PoolBoard:
         return sorted(self._latest.values(), key=lambda s: (s.pool, s.replica_id))
 
 
+def cluster_has_gpus() -> bool:
+    """Whether pools default to one GPU per replica: the Ray cluster's GPUs if connected, else this host's."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _pool_options(name: str, pool: PoolConfig, config: ServeConfig, router_cls: type) -> dict[str, Any]:
-    actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
+    num_gpus = pool.num_gpus if pool.num_gpus is not None else (1.0 if cluster_has_gpus() else 0.0)
+    actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": num_gpus}
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     opts: dict[str, Any] = {

@@ -45,7 +45,8 @@ class PoolConfig(_Frozen):
     #: Custom Ray resources each replica needs, e.g. ``{"prefill": 1}`` to land on prefill nodes.
     resources: dict[str, float] = Field(default_factory=dict)
     num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    #: GPUs per replica; None: one where the cluster has GPUs, none otherwise.
+    num_gpus: float | None = Field(None, ge=0)
     #: Requests a replica accepts at once (Serve's ``max_ongoing_requests``).
     max_ongoing_requests: int = Field(256, ge=1)
     num_blocks: int | None = Field(None, ge=1)

@@ -51,7 +51,7 @@ def server(demo_model):
     from cluster.serve_config import parse_serve_config
 
     port = _free_port()
-    pool = {"num_cpus": 0, "num_blocks": 256, "num_threads": 1, "max_num_batched_tokens": 512}
+    pool = {"num_cpus": 0, "num_gpus": 0, "num_blocks": 256, "num_threads": 1, "max_num_batched_tokens": 512}
     config = parse_serve_config(
         {
             "device": "cpu",

@@ -40,3 +40,19 @@ def test_app_builder_builds_the_graph():
 
     app = app_builder({"config": str(DEPLOY / "shapeserve.yaml"), "overrides": {"port": 9001}})
     assert type(app).__name__ == "Application"
+
+
+def test_pool_placement_options():
+    from cluster.serve_app import _pool_options, cluster_has_gpus
+    from router.replica_choice import DecodeRequestRouter
+
+    cfg = load_serve_config(DEPLOY / "shapeserve.yaml")
+    opts = _pool_options("DecodeWorker", cfg.decode, cfg, DecodeRequestRouter)
+    assert opts["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1, "resources": {"decode": 1}}
+    assert opts["request_router_config"].request_router_kwargs == {"block_size": 16}
+    assert "autoscaling_config" in opts and "num_replicas" not in opts
+    local = load_serve_config(DEPLOY / "shapeserve-local.yaml")
+    opts = _pool_options("PrefillWorker", local.prefill, local, DecodeRequestRouter)
+    # num_gpus unset: one per replica only where there are GPUs
+    assert opts["ray_actor_options"]["num_gpus"] == (1.0 if cluster_has_gpus() else 0.0)
+    assert opts["num_replicas"] == 1
