@@ -107,6 +107,48 @@ def paged_decode_attention_ref(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+def paged_decode_attention_blockwise(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens_list: tuple[int, ...],
+) -> torch.Tensor:
+    """Decode attention without padding to the longest context (the CPU default's fast path).
+
+    Gathers only the blocks each sequence uses, runs one small matmul per block against its
+    sequence's query, and combines blocks with a segment softmax. Returns [num_seqs, num_heads, head_dim]
+    *unscaled by 1/sqrt(d)*: callers pass ``query`` already scaled.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kv_heads
+    device = query.device
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens_list]
+    counts = torch.tensor(blocks_per_seq, device=device)
+    seq_of_block = torch.repeat_interleave(torch.arange(num_seqs, device=device), counts)  # [NB]
+    first = torch.cumsum(counts, 0) - counts
+    block_index = torch.arange(int(counts.sum()), device=device) - first[seq_of_block]  # block's index in its sequence
+    block_ids = block_tables[seq_of_block, block_index].long()
+    compute = torch.float32
+    k = k_cache[block_ids].to(compute)  # [NB, bs, Hkv, D]
+    v = v_cache[block_ids].to(compute)
+    q = query.to(compute).view(num_seqs, kv_heads, group, head_dim)[seq_of_block]  # [NB, Hkv, G, D]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [NB, Hkv, G, bs]
+    # Only a sequence's last block can be partly filled.
+    pos = block_index[:, None] * block_size + torch.arange(block_size, device=device)[None, :]
+    seq_lens = torch.tensor(seq_lens_list, device=device)
+    scores.masked_fill_((pos >= seq_lens[seq_of_block][:, None])[:, None, None, :], float("-inf"))
+    block_max = scores.amax(dim=-1)  # [NB, Hkv, G]
+    seq_max = torch.full((num_seqs, kv_heads, group), float("-inf"), device=device)
+    seq_max.scatter_reduce_(0, seq_of_block[:, None, None].expand_as(block_max), block_max, reduce="amax")
+    probs = torch.exp(scores - seq_max[seq_of_block][..., None])
+    denom = torch.zeros(num_seqs, kv_heads, group, device=device).index_add_(0, seq_of_block, probs.sum(-1))
+    partial = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [NB, Hkv, G, D]
+    out = torch.zeros(num_seqs, kv_heads, group, head_dim, device=device).index_add_(0, seq_of_block, partial)
+    return (out / denom[..., None]).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
 def paged_prefill_attention_ref(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,17 +215,9 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         outputs = []
         if nd:
-            dec_lens = meta.seq_lens_list[:nd] if meta.seq_lens_list else None
+            seq_lens = meta.seq_lens_list[:nd] if meta.seq_lens_list else tuple(meta.seq_lens[:nd].tolist())
             outputs.append(
-                paged_decode_attention_ref(
-                    query[:nd],
-                    k_cache,
-                    v_cache,
-                    meta.block_tables[:nd],
-                    meta.seq_lens[:nd],
-                    scale,
-                    max(dec_lens) if dec_lens else None,
-                )
+                paged_decode_attention_blockwise(query[:nd] * scale, k_cache, v_cache, meta.block_tables[:nd], seq_lens)
             )
         if meta.num_prefills:
             pre_lens = meta.seq_lens_list[nd:] if meta.seq_lens_list else None
