@@ -74,7 +74,8 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len
     # cache: [num_blocks, block_size, kv_heads, head_dim] -> [num_seqs, max_blocks * block_size, kv_heads, head_dim]
     block_size = cache.shape[1]
     max_blocks = -(-max_seq_len // block_size)
-    ctx = cache[block_tables[:, :max_blocks].long()]
+    table = block_tables[:, :max_blocks].long()
+    ctx = torch.index_select(cache, 0, table.reshape(-1)).view(table.shape[0], max_blocks, *cache.shape[1:])
     return ctx.flatten(1, 2)
 
 
@@ -131,8 +132,9 @@ def paged_decode_attention_blockwise(
     block_index = torch.arange(int(counts.sum()), device=device) - first[seq_of_block]  # block's index in its sequence
     block_ids = block_tables[seq_of_block, block_index].long()
     compute = torch.float32
-    k = k_cache[block_ids].to(compute)  # [NB, bs, Hkv, D]
-    v = v_cache[block_ids].to(compute)
+    # index_select is several times faster than advanced indexing for whole-block gathers on CPU.
+    k = torch.index_select(k_cache, 0, block_ids).to(compute)  # [NB, bs, Hkv, D]
+    v = torch.index_select(v_cache, 0, block_ids).to(compute)
     q = query.to(compute).view(num_seqs, kv_heads, group, head_dim)[seq_of_block]  # [NB, Hkv, G, D]
     scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [NB, Hkv, G, bs]
     # Only a sequence's last block can be partly filled.
