@@ -18,6 +18,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for_memory, torch_dtype
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError, ModelLoadError
@@ -170,6 +171,9 @@ class LLMEngine:
 
     def complete_remote_kv(self, request_id: str, first_token_id: int, first_logprob: float | None = None) -> None:
         req = self.requests[request_id]
+        if req.generator is not None and not req.params.greedy:
+            # The prefill worker drew the first token from the same seed: continue after that draw.
+            skip_one_draw(req.generator, self.model_config.vocab_size)
         self.scheduler.complete_remote(req, first_token_id)
         if first_logprob is not None:
             req.output_logprobs.append(first_logprob)

@@ -42,6 +42,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return SamplerOutput(token_ids, logprobs)
 
 
+def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advances a request's generator past one sampling step, as if ``sample`` had drawn from it
+    (a decode worker continuing a seeded request whose first token was sampled elsewhere)."""
+    torch.empty(vocab_size).exponential_(generator=generator)
+
+
 def _sample_random(logits, params, generators, greedy) -> torch.Tensor:
     batch, vocab = logits.shape
     temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)

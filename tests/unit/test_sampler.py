@@ -113,3 +113,23 @@ def test_logprobs_match_a_full_forward(demo_model):
         logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
     expected = [logp[2 + i, t].item() for i, t in enumerate(out["token_ids"])]
     assert out["logprobs"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_seeded_request_continues_identically_after_remote_prefill(demo_model):
+    """Prefill on one engine, decode on another from transferred KV: same tokens as one engine."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    prompt = list(range(40, 60))
+    local = LLMEngine(engine_config(demo_model, num_blocks=64)).generate([prompt], params)[0]["token_ids"]
+
+    prefill = LLMEngine(engine_config(demo_model, num_blocks=64))
+    prefill.add_request("r", prompt, params, hold_kv_on_finish=True)
+    first = [t for o in prefill.step() for t in o.new_token_ids]
+    decode = LLMEngine(engine_config(demo_model, num_blocks=64))
+    res = decode.reserve_remote_kv("r", prompt, params)
+    src, dst = prefill.held_kv_blocks("r"), list(res.block_ids)
+    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
+    decode.complete_remote_kv("r", first[0])
+    tokens = []
+    while decode.has_unfinished_requests():
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == local
