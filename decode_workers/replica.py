@@ -25,6 +25,7 @@ from ray import serve
 from cluster.async_engine import AsyncEngine, next_output
 from cluster.engine.kv_cache import torch_dtype
 from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation, RequestOutput
+from cluster.replica_lifecycle import report_stats_forever, stop_replica
 from cluster.metrics import ReplicaStats
 from cluster.serve_config import ServeConfig
 from cluster.serve_types import GenerateTask, PrefillResult, PrefillTask, Started
@@ -129,7 +130,9 @@ class DecodeWorker:
             "local_fallbacks": 0,
         }
         self._integrity_ok: bool | None = None
-        self._reporter = asyncio.get_running_loop().create_task(self._report_loop()) if board is not None else None
+        self._reporter = asyncio.get_running_loop().create_task(
+            report_stats_forever(self.engine, board, self.stats, self._set_integrity, self.config.routing_stats_period_s)
+        ) if board is not None else None
 
     # ---- the request ----------------------------------------------------------------------
 
@@ -302,30 +305,12 @@ class DecodeWorker:
         if not self.engine.alive:
             raise RuntimeError("decode engine loop is not running")
 
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                if self.engine.engine.kv_layout.num_blocks <= 16384:
-                    self._integrity_ok = await self.engine.check_integrity()
-                await self.board.report.remote(self.stats())
-            except Exception as e:  # noqa: BLE001
-                log.debug("stats report failed: %r", e)
-            await asyncio.sleep(self.config.routing_stats_period_s)
+    def _set_integrity(self, ok: bool) -> None:
+        self._integrity_ok = ok
 
     def shutdown(self) -> None:
         """Stops the KV receiver (open leases end) and the engine thread. Idempotent."""
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None and not reporter.done():
-            try:
-                reporter.cancel()
-            except RuntimeError:  # its loop is already closed
-                pass
-        receiver = getattr(self, "receiver", None)
-        if receiver is not None:
-            receiver.close()
-        eng = getattr(self, "engine", None)
-        if eng is not None:
-            eng.shutdown()
+        stop_replica(getattr(self, "_reporter", None), getattr(self, "receiver", None), getattr(self, "engine", None))
 
     def __del__(self):
         self.shutdown()

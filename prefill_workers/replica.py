@@ -20,6 +20,7 @@ from ray import serve
 
 from cluster.async_engine import AsyncEngine, next_output
 from cluster.engine.llm_engine import LLMEngine
+from cluster.replica_lifecycle import report_stats_forever, stop_replica
 from cluster.metrics import ReplicaStats
 from cluster.serve_config import ServeConfig
 from cluster.serve_types import PrefillResult, PrefillTask
@@ -57,7 +58,9 @@ class PrefillWorker:
         self._counters = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "transfer_failures": 0}
         self._integrity_ok: bool | None = None
         self._last_transport = ""
-        self._reporter = asyncio.get_running_loop().create_task(self._report_loop()) if board is not None else None
+        self._reporter = asyncio.get_running_loop().create_task(
+            report_stats_forever(self.engine, board, self.stats, self._set_integrity, self.config.routing_stats_period_s)
+        ) if board is not None else None
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefills ``task`` and hands over its KV. Raises TimeoutError past the task's deadline."""
@@ -136,30 +139,12 @@ class PrefillWorker:
         if not self.engine.alive:
             raise RuntimeError("prefill engine loop is not running")
 
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                if self.engine.engine.kv_layout.num_blocks <= 16384:
-                    self._integrity_ok = await self.engine.check_integrity()
-                await self.board.report.remote(self.stats())
-            except Exception as e:  # the board restarting must not stop the replica  # noqa: BLE001
-                log.debug("stats report failed: %r", e)
-            await asyncio.sleep(self.config.routing_stats_period_s)
+    def _set_integrity(self, ok: bool) -> None:
+        self._integrity_ok = ok
 
     def shutdown(self) -> None:
         """Stops the KV sender (in-flight sends end) and the engine thread. Idempotent."""
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None and not reporter.done():
-            try:
-                reporter.cancel()
-            except RuntimeError:  # its loop is already closed
-                pass
-        sender = getattr(self, "sender", None)
-        if sender is not None:
-            sender.close()
-        eng = getattr(self, "engine", None)
-        if eng is not None:
-            eng.shutdown()
+        stop_replica(getattr(self, "_reporter", None), getattr(self, "sender", None), getattr(self, "engine", None))
 
     def __del__(self):
         self.shutdown()
