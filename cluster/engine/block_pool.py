@@ -36,12 +36,10 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: st
     return h.digest()
 
 
-def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, extra_key: str | None = None, start_parent: BlockHash | None = None
-) -> list[BlockHash]:
+def hash_full_blocks(token_ids: Sequence[int], block_size: int, extra_key: str | None = None) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids``. Pure; used by router and pool alike."""
     hashes: list[BlockHash] = []
-    parent = start_parent
+    parent = None
     for i in range(len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
         hashes.append(parent)
@@ -155,14 +153,6 @@ class BlockPool:
                 continue
             block.block_hash = h
             self._by_hash[h] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every hash of unreferenced blocks (e.g. after weights change)."""
-        for block_id in self._reusable:
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                del self._by_hash[block.block_hash]
-                block.block_hash = None
 
     def check_integrity(self) -> None:
         """free + cached + used == total, and every index agrees with the blocks. Raises AssertionError."""

@@ -42,11 +42,6 @@ class KVLayout:
     num_blocks: int
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block across all layers: [num_layers, 2, block_size, kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
     def bytes_per_block(self) -> int:
         n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
         return n * torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()

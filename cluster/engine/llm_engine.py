@@ -79,7 +79,7 @@ class LLMEngine:
         self.kv_layout = KVLayout.for_model(self.model_config, cache.block_size, config.dtype, num_blocks)
         self.kv_cache = allocate_kv_cache(self.kv_layout, config.device)
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, cache, self.block_pool, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, cache, self.block_pool)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, cache.block_size, config.device)
         self.requests: dict[str, Request] = {}
@@ -141,14 +141,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._finished_outputs)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.remote)
 
     # ---- disaggregation ------------------------------------------------------------------------
 

@@ -47,11 +47,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, block_pool: BlockPool, max_model_len: int):
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, block_pool: BlockPool):
         self.config = sched
         self.block_size = cache.block_size
         self.pool = block_pool
-        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         #: Requests whose KV arrives from a prefill worker; they hold blocks but are not scheduled.
@@ -222,9 +221,10 @@ class Scheduler:
         if not self.pool.enable_prefix_caching:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = hash_full_blocks(req.tokens(0, max_blocks * self.block_size), self.block_size)
-        if len(hashes) > len(req.block_hashes):
-            req.block_hashes = hashes
+        # Hashes depend on tokens only: a request waiting for blocks keeps the ones it computed.
+        if len(req.block_hashes) < max_blocks:
+            req.block_hashes = hash_full_blocks(req.tokens(0, max_blocks * self.block_size), self.block_size)
+        hashes = req.block_hashes[:max_blocks]
         hits = self.pool.lookup_prefix(hashes)
         self.pool.record_prefix_query(len(hashes), len(hits))
         return hits

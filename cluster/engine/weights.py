@@ -54,8 +54,6 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device 
                 fused_parts.setdefault(f"{prefix}{target}.{kind}", {})[order] = tensor
                 continue
             name = prefix + _RENAMED.get(module, module) + "." + kind
-        elif name == "lm_head.weight" or name.startswith("lm_head."):
-            pass
         state[name] = tensor
     for name, parts in fused_parts.items():
         state[name] = torch.cat([parts[i] for i in sorted(parts)], dim=0)

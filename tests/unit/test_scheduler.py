@@ -15,7 +15,6 @@ def make_scheduler(num_blocks=16, budget=64, max_seqs=8, chunk=None, block_size=
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=chunk),
         CacheConfig(block_size=block_size),
         pool,
-        max_model_len=1024,
     )
     return s, pool
 
