@@ -1,8 +1,10 @@
-"""Attention over the paged KV cache: the backend interface, its metadata, and the torch backend.
+"""Attention over the paged KV cache: the backend interface, its metadata, the torch references
+and the torch backend.
 
-The torch backend is the CPU default and the oracle every other backend (Triton) is tested
-against. A backend does two things per layer: write this step's new K/V into their slots,
-then attend each query token to its sequence's cached context (prefix + this step's tokens).
+The ``*_ref`` functions are plain padded torch: the oracle every backend (the torch backend's
+fast paths, the Triton kernels) is tested against. The torch backend is the CPU default.
+A backend does two things per layer: write this step's new K/V into their slots, then attend
+each query token to its sequence's cached context (prefix + this step's tokens).
 
 Batch order contract (built by the model runner): sequences that decode one token come
 first, then sequences that prefill a chunk. Tokens of sequence i are
@@ -17,6 +19,13 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from cluster.engine.sdpa_attention import GatherBuffer, paged_attention_sdpa
+
+try:  # numba compiles the CPU decode kernel; without it, decodes run through SDPA too.
+    from cluster.engine import cpu_decode as _cpu_decode
+except ImportError:  # pragma: no cover - numba is a declared dependency
+    _cpu_decode = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,12 @@ class AttentionBackend(Protocol):
     name: str
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Scatters key/value [num_tokens, kv_heads, head_dim] into the caches [num_blocks, block_size, kv_heads, head_dim]."""
 
@@ -108,61 +122,6 @@ def paged_decode_attention_ref(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-def paged_decode_attention_blockwise(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens_list: tuple[int, ...],
-) -> torch.Tensor:
-    """Decode attention without padding to the longest context (the CPU default's fast path).
-
-    Gathers only the blocks each sequence uses, runs one small matmul per block against its
-    sequence's query, and combines blocks with a segment softmax. Returns [num_seqs, num_heads, head_dim]
-    *unscaled by 1/sqrt(d)*: callers pass ``query`` already scaled.
-    """
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // kv_heads
-    device = query.device
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens_list]
-    counts = torch.tensor(blocks_per_seq, device=device)
-    seq_of_block = torch.repeat_interleave(torch.arange(num_seqs, device=device), counts)  # [NB]
-    first = torch.cumsum(counts, 0) - counts
-    block_index = torch.arange(int(counts.sum()), device=device) - first[seq_of_block]  # block's index in its sequence
-    block_ids = block_tables[seq_of_block, block_index].long()
-    compute = torch.float32
-    # index_select is several times faster than advanced indexing for whole-block gathers on CPU.
-    k = torch.index_select(k_cache, 0, block_ids).to(compute)  # [NB, bs, Hkv, D]
-    v = torch.index_select(v_cache, 0, block_ids).to(compute)
-    num_gathered = block_ids.shape[0]
-    q = query.to(compute).view(num_seqs, kv_heads * group, head_dim)[seq_of_block]  # [NB, Hkv*G, D]
-    # A gathered block is a contiguous [bs*Hkv, D] matrix. Multiplying it against every head and
-    # keeping the matching-head diagonal costs Hkv x the flops of per-head matmuls but avoids
-    # copying permuted K/V, which dominated the time on CPU.
-    all_heads = torch.bmm(q, k.view(num_gathered, block_size * kv_heads, head_dim).transpose(1, 2))
-    scores = torch.diagonal(all_heads.view(num_gathered, kv_heads, group, block_size, kv_heads), dim1=1, dim2=4)
-    scores = scores.permute(0, 3, 1, 2)  # [NB, Hkv, G, bs]
-    # Only a sequence's last block can be partly filled.
-    pos = block_index[:, None] * block_size + torch.arange(block_size, device=device)[None, :]
-    seq_lens = torch.tensor(seq_lens_list, device=device)
-    scores = scores.masked_fill((pos >= seq_lens[seq_of_block][:, None])[:, None, None, :], float("-inf"))
-    block_max = scores.amax(dim=-1)  # [NB, Hkv, G]
-    seq_max = torch.full((num_seqs, kv_heads, group), float("-inf"), device=device)
-    seq_max.scatter_reduce_(0, seq_of_block[:, None, None].expand_as(block_max), block_max, reduce="amax")
-    probs = torch.exp(scores - seq_max[seq_of_block][..., None])  # [NB, Hkv, G, bs]
-    denom = torch.zeros(num_seqs, kv_heads, group, device=device).index_add_(0, seq_of_block, probs.sum(-1))
-    # Block-diagonal probabilities (zero across heads) against the contiguous V block.
-    probs_all = torch.zeros(num_gathered, kv_heads, group, block_size, kv_heads, device=device)
-    torch.diagonal(probs_all, dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
-    partial = torch.bmm(
-        probs_all.view(num_gathered, kv_heads * group, block_size * kv_heads),
-        v.view(num_gathered, block_size * kv_heads, head_dim),
-    ).view(num_gathered, kv_heads, group, head_dim)
-    out = torch.zeros(num_seqs, kv_heads, group, head_dim, device=device).index_add_(0, seq_of_block, partial)
-    return (out / denom[..., None]).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
-
-
 def paged_prefill_attention_ref(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -218,37 +177,41 @@ def paged_prefill_attention_ref(
 
 
 class TorchAttentionBackend:
-    """Reference backend, the CPU default: batched torch ops, no per-sequence Python loops."""
+    """The CPU default, with no per-request loops: float32 decodes go to the compiled paged decode
+    kernel (``cpu_decode``), everything else to fused SDPA over length buckets (``sdpa_attention``)."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._gather_buffer = GatherBuffer()
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        nd = meta.num_decodes
-        outputs = []
-        if nd:
-            seq_lens = meta.seq_lens_list[:nd] if meta.seq_lens_list else tuple(meta.seq_lens[:nd].tolist())
-            outputs.append(
-                paged_decode_attention_blockwise(query[:nd] * scale, k_cache, v_cache, meta.block_tables[:nd], seq_lens)
+        query_lens = meta.query_lens_list or tuple((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
+        seq_lens = meta.seq_lens_list or tuple(meta.seq_lens.tolist())
+        nd = meta.num_decodes if _cpu_decode is not None and _cpu_decode.supports(query, k_cache) else 0
+        if nd == 0:
+            return paged_attention_sdpa(
+                query, k_cache, v_cache, meta.block_tables, query_lens, seq_lens, scale, buffer=self._gather_buffer
             )
-        if meta.num_prefills:
-            pre_lens = meta.seq_lens_list[nd:] if meta.seq_lens_list else None
-            outputs.append(
-                paged_prefill_attention_ref(
-                    query[nd:],
-                    k_cache,
-                    v_cache,
-                    meta.block_tables[nd:],
-                    meta.query_start_loc[nd:] - nd,
-                    meta.seq_lens[nd:],
-                    scale,
-                    meta.query_lens_list[nd:] if meta.query_lens_list else None,
-                    max(pre_lens) if pre_lens else None,
-                )
+        out = torch.empty_like(query)
+        out[:nd] = _cpu_decode.paged_decode_attention_cpu(
+            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+        )
+        if nd < meta.num_seqs:
+            out[nd:] = paged_attention_sdpa(
+                query[nd:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                query_lens[nd:],
+                seq_lens[nd:],
+                scale,
+                buffer=self._gather_buffer,
             )
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return out
 
 
 _BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}

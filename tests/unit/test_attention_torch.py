@@ -1,29 +1,123 @@
-"""The torch backend's fast decode path against the padded reference, on fresh random data."""
+"""The torch backend's fast paths (compiled CPU decode kernel, bucketed SDPA) against the padded
+references, on fresh random data with shuffled block ids."""
 
 import pytest
 import torch
 
-from cluster.engine.attention import paged_decode_attention_blockwise, paged_decode_attention_ref
+from cluster.engine.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+)
+from cluster.engine.cpu_decode import paged_decode_attention_cpu, supports
+from cluster.engine.sdpa_attention import GatherBuffer, length_buckets, paged_attention_sdpa
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("group", [1, 4])
-def test_blockwise_decode_matches_padded_reference(dtype, tol, group):
-    torch.manual_seed(0)
-    block_size, kv_heads, head_dim, num_blocks = 16, 2, 32, 64
-    seq_lens = (1, 16, 17, 100, 333)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    perm = torch.randperm(num_blocks)  # shuffled, non-contiguous block ids
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+def paged_context(seq_lens, block_size, kv_heads, head_dim, dtype, seed=0):
+    """Random caches and 0-padded block tables with shuffled, non-contiguous block ids."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
     used = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // block_size)
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
-    q = torch.randn(len(seq_lens), kv_heads * group, head_dim).to(dtype)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = ids[used : used + n]
+        used += n
+    return k_cache, v_cache, tables, g
+
+
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 1), (16, 32, 4), (32, 128, 2), (8, 64, 8)])
+def test_cpu_decode_kernel_matches_reference(block_size, head_dim, group):
+    kv_heads = 2
+    seq_lens = [1, block_size, block_size + 1, 333, 7]
+    k_cache, v_cache, tables, g = paged_context(seq_lens, block_size, kv_heads, head_dim, torch.float32)
+    # A strided query, as sliced out of a fused qkv projection.
+    query = torch.randn(len(seq_lens), kv_heads * group + 3, head_dim, generator=g)[:, 1 : 1 + kv_heads * group]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor(seq_lens), scale)
-    got = paged_decode_attention_blockwise(q * scale, k_cache, v_cache, tables, seq_lens)
-    assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens, scale)
+    got = paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+
+
+def test_cpu_decode_kernel_refuses_what_it_cannot_run():
+    k_cache, v_cache, tables, _ = paged_context([5], 16, 2, 32, torch.bfloat16)
+    query = torch.randn(1, 4, 32).bfloat16()
+    assert not supports(query, k_cache)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention_cpu(query, k_cache, v_cache, tables, torch.tensor([5]), 0.1)
+
+
+# Decodes, prompts without a cached prefix, chunks continuing after a prefix, and tiny prompts
+# that the bucketing groups together.
+RAGGED = [(1, 40), (1, 300), (1, 33), (17, 17), (90, 90), (5, 69), (40, 200), (3, 3), (4, 4), (2, 2), (1, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_bucketed_sdpa_matches_reference(dtype, group):
+    kv_heads, head_dim, block_size = 2, 32, 16
+    query_lens = [q for q, _ in RAGGED]
+    seq_lens = [t for _, t in RAGGED]
+    k_cache, v_cache, tables, g = paged_context(seq_lens, block_size, kv_heads, head_dim, dtype, seed=group)
+    query = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    scale = head_dim**-0.5
+    ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, starts, torch.tensor(seq_lens), scale)
+    got = paged_attention_sdpa(query, k_cache, v_cache, tables, query_lens, seq_lens, scale)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+def test_length_buckets_group_short_work_and_leave_long_prompts_alone():
+    # Decodes whose contexts differ by less than a call's overhead share a call; a long decode
+    # does not pad the others; each long prompt runs alone (causal); three tiny prompts share one.
+    query_lens = [1, 1, 1, 1, 300, 200, 4, 3, 4]
+    seq_lens = [100, 120, 110, 2000, 300, 200, 4, 3, 4]
+    assert length_buckets(query_lens, seq_lens, call_overhead_pairs=1000) == [[7, 6, 8], [0, 2, 1], [5], [4], [3]]
+    # With no call overhead every sequence is cheapest alone.
+    assert length_buckets([1, 1], [10, 11], call_overhead_pairs=0) == [[0], [1]]
+    assert length_buckets([], [], call_overhead_pairs=1000) == []
+
+
+def test_gather_buffer_is_reused_until_it_must_grow():
+    buf, like = GatherBuffer(), torch.empty(0)
+    first = buf.take(100, like)
+    assert buf.take(60, like).data_ptr() == first.data_ptr()
+    grown = buf.take(1000, like)
+    assert grown.numel() == 1000
+    assert buf.take(10, torch.empty(0, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_runs_a_mixed_step_like_the_references(dtype):
+    """Decodes first, then prefill chunks, as the model runner lays them out."""
+    kv_heads, group, head_dim, block_size = 2, 2, 32, 16
+    query_lens = [1, 1, 1, 20, 64]
+    seq_lens = [5, 70, 16, 20, 100]
+    k_cache, v_cache, tables, g = paged_context(seq_lens, block_size, kv_heads, head_dim, dtype, seed=7)
+    query = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
+        query_start_loc=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=3,
+        seq_lens_list=tuple(seq_lens),
+        query_lens_list=tuple(query_lens),
+    )
+    scale = head_dim**-0.5
+    got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, scale)
+    ref_decode = paged_decode_attention_ref(query[:3], k_cache, v_cache, tables[:3], meta.seq_lens[:3], scale)
+    ref_prefill = paged_prefill_attention_ref(
+        query[3:], k_cache, v_cache, tables[3:], starts[3:] - 3, meta.seq_lens[3:], scale
+    )
+    torch.testing.assert_close(got, torch.cat([ref_decode, ref_prefill]), **TOL[dtype])
