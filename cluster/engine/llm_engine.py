@@ -15,6 +15,7 @@ from cluster.config import EngineConfig, ModelConfig, SamplingParams
 from cluster.engine.attention import get_attention_backend
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.host_memory import keep_freed_memory_for_reuse
 from cluster.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for_memory, torch_dtype
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, RequestStatus
@@ -64,6 +65,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory_for_reuse()  # process-wide: see host_memory for why
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = self.model_config.max_position_embeddings
         self.model = load_model(self.model_config, torch_dtype(config.dtype), config.device)
