@@ -28,7 +28,9 @@ BENCH_SPEC = DemoModelSpec(
 )
 
 
-def run_engine(model_dir: Path, requests, args) -> tuple[float, int]:
+def make_engine(model_dir: Path, args, requests) -> LLMEngine:
+    """The engine under test, warmed up (kernels compiled, memory touched) on the first two
+    requests' prompts with 4 output tokens each."""
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
@@ -37,14 +39,22 @@ def run_engine(model_dir: Path, requests, args) -> tuple[float, int]:
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256),
         )
     )
-    for r in requests[:2]:  # warm-up, not timed
-        engine.add_request(f"warm{r.index}", list(r.prompt_token_ids), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for r in requests[:2]:
+        engine.add_request(f"warm{r.index}", list(r.prompt_token_ids), greedy(4))
     while engine.has_unfinished_requests():
         engine.step()
+    return engine
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(model_dir: Path, requests, args) -> tuple[float, int]:
+    engine = make_engine(model_dir, args, requests)
     start = time.perf_counter()
     for r in requests:
-        params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(str(r.index), list(r.prompt_token_ids), params)
+        engine.add_request(str(r.index), list(r.prompt_token_ids), greedy(r.output_tokens))
     produced = 0
     while engine.has_unfinished_requests():
         produced += sum(len(o.new_token_ids) for o in engine.step())
@@ -79,13 +89,17 @@ def run_hf(model_dir: Path, requests, batch_size: int) -> tuple[float, int]:
     return time.perf_counter() - start, produced
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="skewed-64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", default=".bench-models/llama-512h-8l")
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--one-at-a-time", type=int, default=8, help="requests timed for the one-at-a-time baseline (0: skip)")
     ap.add_argument("--skip-hf", action="store_true", help="engine only (for profiling)")

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cluster.engine import cpu_decode
 from cluster.engine.attention import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from cluster.engine.sdpa_attention import GatherBuffer, paged_attention_sdpa
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (batch, context, num_heads, kv_heads, head_dim, dtype, prefill_seqs, prefill_query)
@@ -183,6 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     ms = t(sdpa)
     rows.append(Row(name, "SDPA (dense K/V)", ms, *bw(ms), err(sdpa().squeeze(2), ref)))
     del k_dense, v_dense
+    # The torch backend's own paths: the compiled CPU decode kernel (float32 CPU) and bucketed SDPA.
+    buf = GatherBuffer()
+    dec_sdpa = lambda: paged_attention_sdpa(q, kc, vc, tables, [1] * batch, [context] * batch, scale, buf)  # noqa: E731
+    ms = t(dec_sdpa)
+    rows.append(Row(name, "torch backend: bucketed SDPA", ms, *bw(ms), err(dec_sdpa(), ref)))
+    if cpu_decode.supports(q, kc):
+        dec_cpu = lambda: cpu_decode.paged_decode_attention_cpu(q, kc, vc, tables, lens, scale)  # noqa: E731
+        ms = t(dec_cpu)
+        rows.append(Row(name, "torch backend: CPU decode kernel", ms, *bw(ms), err(dec_cpu(), ref)))
     if not args.torch_only:
         out = torch.empty_like(q)
         dec = lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, context, out=out)  # noqa: E731
@@ -206,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     sdpa = lambda: F.scaled_dot_product_attention(q4, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True)  # noqa: E731
     ms = t(sdpa)
     rows.append(Row(name, "SDPA (dense K/V)", ms, None, None, err(sdpa().transpose(1, 2).flatten(0, 1), ref)))
+    q_lens, t_lens = [p_query] * p_seqs, [context] * p_seqs
+    pre_sdpa = lambda: paged_attention_sdpa(q, kc, vc, tables, q_lens, t_lens, scale, buf)  # noqa: E731
+    ms = t(pre_sdpa)
+    rows.append(Row(name, "torch backend: bucketed SDPA", ms, None, None, err(pre_sdpa(), ref)))
     if not args.torch_only:
         out = torch.empty_like(q)
         pre = lambda: paged_prefill_attention(q, kc, vc, tables, starts, lens, scale, p_query, out=out)  # noqa: E731
