@@ -73,6 +73,10 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim] -> output of the same shape. Does not modify the caches."""
 
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Compiles now what the first step would otherwise compile (called once when the engine
+        starts, so no request waits for it). Does not modify the caches."""
+
 
 # ---- torch reference implementations (functional, so kernels can be tested against them) ----
 
@@ -187,6 +191,16 @@ class TorchAttentionBackend:
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def warm_up(self, k_cache, v_cache) -> None:
+        # Compiling the decode kernel takes ~7 s on the CI machine the first time (then it loads
+        # from numba's on-disk cache in ~0.3 s): pay it at start-up, on one token of block 0.
+        query = torch.zeros(1, k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype, device=k_cache.device)
+        if _cpu_decode is not None and _cpu_decode.supports(query, k_cache):
+            one = torch.ones(1, dtype=torch.int32)
+            _cpu_decode.paged_decode_attention_cpu(
+                query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32), one, 1.0
+            )
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         query_lens = meta.query_lens_list or tuple((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())

@@ -111,8 +111,9 @@ def paged_decode_attention_cpu(
             q.numpy(),
             k_cache.numpy(),
             v_cache.numpy(),
-            block_tables.to(torch.int32).numpy(),
-            seq_lens.to(torch.int32).numpy(),
+            # Contiguous int32 always, so numba compiles (and caches) one specialization only.
+            block_tables.to(torch.int32).contiguous().numpy(),
+            seq_lens.to(torch.int32).contiguous().numpy(),
             out.numpy(),
         )
     return out.view(num_seqs, num_heads, head_dim)

@@ -84,6 +84,7 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, cache, self.block_pool)
         self.backend = get_attention_backend(config.attention_backend, config.device)
+        self.backend.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1])
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, cache.block_size, config.device)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

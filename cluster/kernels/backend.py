@@ -23,6 +23,9 @@ class TritonAttentionBackend:
         # key, value: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 
+    def warm_up(self, k_cache, v_cache) -> None:
+        """Nothing ahead of time: Triton compiles each kernel variant at its first launch."""
+
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> out: same shape; does not modify the caches
         out = torch.empty_like(query)

@@ -121,3 +121,15 @@ def test_torch_backend_runs_a_mixed_step_like_the_references(dtype):
         query[3:], k_cache, v_cache, tables[3:], starts[3:] - 3, meta.seq_lens[3:], scale
     )
     torch.testing.assert_close(got, torch.cat([ref_decode, ref_prefill]), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_compiles_the_decode_kernel_and_leaves_the_caches_alone(dtype):
+    from cluster.engine.cpu_decode import _decode_kernel
+
+    k_cache, v_cache, _, _ = paged_context([40], 16, 2, 32, dtype)
+    before = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().warm_up(k_cache, v_cache)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    if dtype == torch.float32:
+        assert _decode_kernel.signatures, "the kernel should be compiled (or loaded from numba's cache) by now"
