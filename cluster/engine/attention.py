@@ -66,7 +66,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Scatters key/value [num_tokens, kv_heads, head_dim] into the caches [num_blocks, block_size, kv_heads, head_dim]."""
+        """Scatters key/value [num_tokens, kv_heads, head_dim] into the caches
+        [num_blocks, block_size, kv_heads, head_dim]."""
 
     def attend(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -144,7 +145,6 @@ def paged_prefill_attention_ref(
     """
     num_tokens, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
     if query_lens is None:
         query_lens = tuple((query_start_loc[1:] - query_start_loc[:-1]).tolist())
     if max_seq_len is None:
