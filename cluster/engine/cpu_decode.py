@@ -5,7 +5,9 @@ does little arithmetic on it, so its cost is memory traffic. SDPA needs each seq
 context as one strided tensor, which means gathering the blocks into a copy first (read,
 write, read again); this kernel walks the block table and reads K/V where they lie, and
 on the 2-core CI machine it is 2-2.5x faster than the gather + SDPA path at the
-skewed-64 decode shape. Compiled by numba (LLVM) at first use and cached on disk.
+skewed-64 decode shape (``python -m bench.kernels --device cpu --torch-only ...`` rows).
+Compiled by numba (LLVM) when an engine starts (``TorchAttentionBackend.warm_up``) and
+cached on disk.
 
 Torch reference: ``cluster.engine.attention.paged_decode_attention_ref``.
 """
@@ -20,7 +22,7 @@ import torch
 
 #: numba's fallback threading layer (workqueue, used where no OpenMP or TBB runtime is found)
 #: aborts the process when two threads launch parallel kernels at once; engines in one process
-#: (tests, a pool replica's helper threads) take turns instead. Uncontended, it costs ~0.1 us.
+#: (tests, a pool replica's helper threads) take turns instead.
 _LAUNCH_LOCK = threading.Lock()
 
 
