@@ -12,7 +12,9 @@ skipping the masked half). Each group is one SDPA call over K/V gathered block b
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,14 +87,64 @@ def _gather_kv(k_cache, v_cache, block_tables, num_blocks: int, buffer: GatherBu
     return k.view(seq_shape).transpose(1, 2), v.view(seq_shape).transpose(1, 2)
 
 
-def _causal_mask(q_lens: list[int], t_lens: list[int], max_q: int, max_t: int) -> torch.Tensor:
+def _causal_mask(q_lens, t_lens, max_q: int, max_t: int, device) -> torch.Tensor:
     """[B, 1, max_q, max_t] bool: query row r of sequence b (at position t_b - q_b + r) sees keys <= it.
 
     Rows past a sequence's queries (padding, dropped afterwards) see at least key 0, so their
     softmax stays finite; a real row never sees a key past its sequence's context."""
-    q_pos = torch.tensor([t - q for q, t in zip(q_lens, t_lens)])[:, None] + torch.arange(max_q)[None, :]
-    allowed = torch.arange(max_t)[None, None, :] <= q_pos[:, :, None]
+    first = torch.tensor([t - q for q, t in zip(q_lens, t_lens)], device=device)
+    q_pos = first[:, None] + torch.arange(max_q, device=device)[None, :]
+    allowed = torch.arange(max_t, device=device)[None, None, :] <= q_pos[:, :, None]
     return allowed[:, None]
+
+
+@dataclass(frozen=True)
+class _SDPACall:
+    """One SDPA call of a step: which sequences, and the index tensors and mask it needs."""
+
+    seqs: torch.Tensor  # [B] rows of the block table
+    num_blocks: int  # blocks gathered per sequence
+    max_q: int
+    max_t: int
+    #: Token index of every (sequence, query row) [B, max_q], and which of them are real queries.
+    rows: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@functools.lru_cache(maxsize=4)
+def _plan(
+    query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_size: int, overhead_pairs: float, device
+) -> tuple[_SDPACall, ...]:
+    """The step's SDPA calls. Every layer of a step has the same lengths, so the plan is built
+    once per step (the cache) rather than once per layer."""
+    starts = [0] * len(query_lens)
+    for i in range(1, len(query_lens)):
+        starts[i] = starts[i - 1] + query_lens[i - 1]
+    calls = []
+    for bucket in length_buckets(list(query_lens), list(seq_lens), overhead_pairs):
+        q_lens = [query_lens[i] for i in bucket]
+        t_lens = [seq_lens[i] for i in bucket]
+        max_q, max_t = max(q_lens), max(t_lens)
+        offsets = torch.arange(max_q, device=device)
+        rows = torch.tensor([starts[i] for i in bucket], device=device)[:, None] + offsets[None, :]
+        valid = offsets[None, :] < torch.tensor(q_lens, device=device)[:, None]
+        # Alone, a decode or a prompt without cached prefix needs no mask (the latter is plain causal).
+        plain = len(bucket) == 1 and max_q in (1, max_t)
+        calls.append(
+            _SDPACall(
+                seqs=torch.tensor(bucket, device=device),
+                num_blocks=-(-max_t // block_size),
+                max_q=max_q,
+                max_t=max_t,
+                rows=rows.masked_fill(~valid, 0),
+                valid=valid,
+                mask=None if plain else _causal_mask(q_lens, t_lens, max_q, max_t, device),
+                is_causal=plain and max_q > 1,
+            )
+        )
+    return tuple(calls)
 
 
 def paged_attention_sdpa(
@@ -117,33 +169,14 @@ def paged_attention_sdpa(
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     buffer = buffer or GatherBuffer()
     gqa = num_heads != kv_heads
-    out = torch.empty_like(query)
-    starts = [0] * len(query_lens)
-    for i in range(1, len(query_lens)):
-        starts[i] = starts[i - 1] + query_lens[i - 1]
     overhead_pairs = CALL_OVERHEAD_FLOPS / (4 * num_heads * head_dim)  # QK^T and PV, a multiply-add each
-    for bucket in length_buckets(list(query_lens), list(seq_lens), overhead_pairs):
-        q_lens = [query_lens[i] for i in bucket]
-        t_lens = [seq_lens[i] for i in bucket]
-        max_q, max_t = max(q_lens), max(t_lens)
-        k, v = _gather_kv(k_cache, v_cache, block_tables[bucket], -(-max_t // block_size), buffer)
-        k, v = k[:, :, :max_t], v[:, :, :max_t]  # [B, Hkv, T, D]
-        if len(bucket) == 1:
-            start = starts[bucket[0]]
-            q = query[start : start + max_q].transpose(0, 1)[None]  # [1, H, Q, D]
-            # No mask for a decode or a prompt without cached prefix (plain causal); else the prefix mask.
-            prefix = max_q not in (1, max_t)
-            mask = _causal_mask(q_lens, t_lens, max_q, max_t) if prefix else None
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=not prefix and max_q > 1, scale=scale, enable_gqa=gqa
-            )
-            out[start : start + max_q] = o[0].transpose(0, 1)
-            continue
-        offsets = torch.arange(max_q)
-        rows = torch.tensor([starts[i] for i in bucket])[:, None] + offsets[None, :]  # [B, Q] token index
-        valid = offsets[None, :] < torch.tensor(q_lens)[:, None]
-        q = query[rows.masked_fill(~valid, 0)].transpose(1, 2)  # [B, H, Q, D]
-        mask = _causal_mask(q_lens, t_lens, max_q, max_t)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[rows[valid]] = o.transpose(1, 2)[valid]
+    out = torch.empty_like(query)
+    for call in _plan(tuple(query_lens), tuple(seq_lens), block_size, overhead_pairs, query.device):
+        k, v = _gather_kv(k_cache, v_cache, block_tables[call.seqs], call.num_blocks, buffer)
+        k, v = k[:, :, : call.max_t], v[:, :, : call.max_t]  # [B, Hkv, T, D]
+        q = query[call.rows].transpose(1, 2)  # [B, H, Q, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=call.mask, is_causal=call.is_causal, scale=scale, enable_gqa=gqa
+        )
+        out[call.rows[call.valid]] = o.transpose(1, 2)[call.valid]
     return out

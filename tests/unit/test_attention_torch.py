@@ -1,6 +1,9 @@
 """The torch backend's fast paths (compiled CPU decode kernel, bucketed SDPA) against the padded
 references, on fresh random data with shuffled block ids."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -123,13 +126,38 @@ def test_torch_backend_runs_a_mixed_step_like_the_references(dtype):
     torch.testing.assert_close(got, torch.cat([ref_decode, ref_prefill]), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_warm_up_compiles_the_decode_kernel_and_leaves_the_caches_alone(dtype):
-    from cluster.engine.cpu_decode import _decode_kernel
+def test_every_layer_of_a_step_reuses_the_steps_sdpa_plan():
+    from cluster.engine.sdpa_attention import _plan
 
+    query_lens, seq_lens = [1, 1, 30], [40, 50, 30]
+    k_cache, v_cache, tables, g = paged_context(seq_lens, 16, 2, 32, torch.float32, seed=3)
+    query = torch.randn(sum(query_lens), 4, 32, generator=g)
+    paged_attention_sdpa(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.2)
+    misses = _plan.cache_info().misses
+    for _ in range(3):  # the step's other layers
+        paged_attention_sdpa(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.2)
+    assert _plan.cache_info().misses == misses
+
+
+def test_warm_up_compiles_the_decode_kernel_in_a_fresh_process():
+    """Run where nothing has launched the kernel yet, so only warm_up can have compiled it."""
+    code = (
+        "import torch\n"
+        "from cluster.engine.attention import TorchAttentionBackend\n"
+        "from cluster.engine.cpu_decode import _decode_kernel\n"
+        "assert not _decode_kernel.signatures\n"
+        "cache = torch.randn(4, 16, 2, 32)\n"
+        "TorchAttentionBackend().warm_up(cache, cache)\n"
+        "print(len(_decode_kernel.signatures))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_leaves_the_caches_alone(dtype):
     k_cache, v_cache, _, _ = paged_context([40], 16, 2, 32, dtype)
     before = k_cache.clone(), v_cache.clone()
     TorchAttentionBackend().warm_up(k_cache, v_cache)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
-    if dtype == torch.float32:
-        assert _decode_kernel.signatures, "the kernel should be compiled (or loaded from numba's cache) by now"
