@@ -16,11 +16,11 @@ from collections import defaultdict
 
 import torch
 
-import cluster.engine.linear as linear_module
 import cluster.engine.model_runner as runner_module
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, greedy, make_engine
 from bench.workload import load_workload
 from cluster.demo_model import ensure_demo_model
+from cluster.engine.linear import use_matmul
 
 
 class StepTimers:
@@ -30,19 +30,22 @@ class StepTimers:
         self.seconds: dict[str, float] = defaultdict(float)
         self._saved: list[tuple[object, str, object]] = []
 
-    def wrap(self, owner, name: str, label) -> None:
-        """``label(*args)`` names the bucket a call's time goes to."""
-        original = getattr(owner, name)
+    def timed(self, fn, label):
+        """``fn`` with its time added to the bucket ``label(*args)`` names."""
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self.seconds[label(*args)] += time.perf_counter() - start
 
+        return timed
+
+    def wrap(self, owner, name: str, label) -> None:
+        original = getattr(owner, name)
         self._saved.append((owner, name, original))
-        setattr(owner, name, timed)
+        setattr(owner, name, self.timed(original, label))
 
     def restore(self) -> None:
         for owner, name, original in reversed(self._saved):
@@ -60,8 +63,8 @@ def main(argv=None) -> None:
     engine = make_engine(model_dir, args, requests)
 
     timers = StepTimers()
-    # The model's Linear layers call the module-level ``linear`` on every forward.
-    timers.wrap(linear_module, "linear", lambda x, weight, *_: f"matmul, {weight.shape[0]} out features")
+    # The model's Linear layers run the matmul the engine chose for them at start.
+    use_matmul(engine.model, timers.timed(engine.matmul.fn, lambda x, weight, *_: f"matmul, {weight.shape[0]} out features"))
     timers.wrap(engine.backend, "attend", lambda *_: "attention")
     timers.wrap(engine.backend, "write_kv", lambda *_: "KV cache write")
     timers.wrap(runner_module, "sample", lambda *_: "sampling")
@@ -95,6 +98,7 @@ def main(argv=None) -> None:
         total = time.perf_counter() - total_start
     finally:
         timers.restore()
+        use_matmul(engine.model, engine.matmul.fn)
         engine.scheduler.schedule = schedule
 
     print(f"workload {spec['name']}, torch threads {args.threads}: {total:.2f} s in all (with timers)")

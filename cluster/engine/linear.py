@@ -1,32 +1,107 @@
-"""The model's linear layers: ``nn.Linear`` whose CPU matmul runs on oneDNN.
+"""The model's linear layers, and the choice of the matmul that runs them.
 
-torch sends float32 CPU matmuls to MKL, which picks its kernels by CPU vendor: on AMD
-x86 CPUs it runs AVX2 code even where AVX-512 is there. oneDNN picks kernels by the
-instruction sets the CPU reports, and on the 2-core AMD EPYC (Zen 5) CI machine it is
-2.0-2.4x faster at every shape the engine runs (decode batches of 64 rows, prefill
-chunks of 2048, the 32k-vocab head). Same float32 arithmetic, other summation order.
-CUDA tensors, float16 and builds without oneDNN use ``F.linear`` unchanged.
+torch sends float32 CPU matmuls to MKL, which picks its kernels by CPU vendor: on AMD x86
+CPUs it runs AVX2 code even where AVX-512 is there. oneDNN picks kernels by the instruction
+sets the CPU reports, and on an AMD EPYC (Zen 5) VM it was 2.0-2.4x faster at every shape
+the engine runs. But oneDNN has no bfloat16 inner product on a CPU without AVX-512 (it
+fails when the primitive is created, i.e. at the first matmul), and a torch build may lack
+it entirely. So the matmul is chosen per (dtype, device) when an engine starts, by trying
+it: oneDNN where it runs and agrees with ``F.linear``, ``F.linear`` everywhere else.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger(__name__)
+
+#: ``matmul(x, weight, bias)`` with x: [..., in], weight: [out, in] -> [..., out]; inference only.
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+#: Dtypes where oneDNN was measured faster than MKL on CPU; float16 stays on F.linear.
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-_HAS_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` (x: [..., in], weight: [out, in]); inference only (no autograd through oneDNN)."""
-    if _HAS_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's inner product (no autograd). Raises RuntimeError where the CPU or build lacks it."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class MatmulChoice:
+    name: str  # "onednn" | "torch"
+    fn: Matmul
+    #: Why the fast path was not taken ("" when it was, or when none applies).
+    fallback_reason: str = ""
+
+
+PORTABLE = MatmulChoice("torch", F.linear)
+
+
+def _probe(candidate: Matmul, dtype: torch.dtype, device: torch.device) -> str:
+    """Runs ``candidate`` on small inputs of the engine's kinds (a decode row, a prefill block, a
+    non-contiguous slice; with and without bias) against ``F.linear``. Returns "" if it works, else why not."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=g).to(dtype=dtype, device=device)
+    bias = torch.randn(48, generator=g).to(dtype=dtype, device=device)
+    inputs = (torch.randn(1, 64, generator=g), torch.randn(40, 80, generator=g)[:, 8:72])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        with torch.inference_mode():
+            for x in inputs:
+                x = x.to(dtype=dtype, device=device)
+                for b in (None, bias):
+                    got = candidate(x, weight, b).float()
+                    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                    if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max()):
+                        return "its results differ from F.linear's"
+    except Exception as e:  # noqa: BLE001 - any failure means: not usable on this CPU/build
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return ""
+
+
+def choose_matmul(dtype: torch.dtype, device: str | torch.device, candidate: Matmul | None = None) -> MatmulChoice:
+    """The matmul an engine of this dtype on this device runs, decided by trying ``candidate`` (oneDNN).
+
+    Never raises: a candidate that fails or disagrees falls back to ``F.linear`` and the reason
+    is logged once (per call; engines call it once at start). Does not modify global state.
+    """
+    device = torch.device(device)
+    if device.type != "cpu" or dtype not in _ONEDNN_DTYPES:
+        return PORTABLE
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return _fallback(dtype, "this torch build has no oneDNN linear")
+    candidate = candidate or onednn_linear  # looked up now, so a test can replace it
+    why_not = _probe(candidate, dtype, device)
+    if why_not:
+        return _fallback(dtype, why_not)
+    return MatmulChoice("onednn", candidate)
+
+
+def _fallback(dtype: torch.dtype, reason: str) -> MatmulChoice:
+    name = str(dtype).removeprefix("torch.")
+    log.warning("oneDNN %s matmuls are unavailable on this CPU (%s); using torch's F.linear", name, reason)
+    return MatmulChoice("torch", F.linear, reason)
 
 
 class Linear(nn.Linear):
-    """Same parameters and state-dict names as ``nn.Linear``; forward through :func:`linear`."""
+    """Same parameters and state-dict names as ``nn.Linear``; forward through ``self.matmul``
+    (``F.linear`` until the engine sets the one chosen for its dtype and device)."""
+
+    matmul: Matmul = staticmethod(F.linear)  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
+
+
+def use_matmul(model: nn.Module, matmul: Matmul) -> None:
+    """Makes every ``Linear`` in ``model`` run ``matmul``."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.matmul = matmul

@@ -14,9 +14,11 @@ import torch
 from cluster.config import EngineConfig, ModelConfig, SamplingParams
 from cluster.engine.attention import get_attention_backend
 from cluster.engine.block_pool import BlockPool
+from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
 from cluster.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for_memory, torch_dtype
+from cluster.engine.linear import choose_matmul, use_matmul
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
@@ -69,7 +71,13 @@ class LLMEngine:
             keep_freed_memory_for_reuse()  # process-wide: see host_memory for why
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = self.model_config.max_position_embeddings
-        self.model = load_model(self.model_config, torch_dtype(config.dtype), config.device)
+        dtype = torch_dtype(config.dtype)
+        self.model = load_model(self.model_config, dtype, config.device)
+        # Each CPU fast path is tried once here and degrades to the portable one where it fails.
+        self.matmul = choose_matmul(dtype, config.device)
+        use_matmul(self.model, self.matmul.fn)
+        if torch.device(config.device).type == "cpu":
+            advise_dtype(dtype, self.matmul.fn)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
