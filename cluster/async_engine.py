@@ -118,13 +118,27 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished_requests()
                 self._drain_commands(block=not busy)
                 if self.engine.has_unfinished_requests():
-                    self._step()
-        except BaseException as e:  # a failed step: fail every request instead of hanging them
+                    try:
+                        self._step()
+                    except Exception as e:  # noqa: BLE001 - the engine isolates a request's failure itself;
+                        self._recover(e)  # this is a failure it could not pin on one request
+        except BaseException as e:  # unrecoverable: fail every request instead of hanging them
             log.exception("engine loop failed")
             self._error = e
             for q in self._streams.values():
                 self.loop.call_soon_threadsafe(q.put_nowait, EngineDead(f"engine step failed: {e!r}"))
             self._streams.clear()
+
+    def _recover(self, error: Exception) -> None:
+        """Ends every request in the engine with an error (their state may be half-updated) and keeps the
+        loop going if the block pool is whole afterwards; raises ``error`` when it is not."""
+        log.exception("engine step failed; ending the %d requests in the engine", len(self.engine.requests))
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            q = self._streams.pop(rid, None)
+            if q is not None:
+                self.loop.call_soon_threadsafe(q.put_nowait, EngineDead(f"engine step failed: {error!r}"))
+        self.engine.block_pool.check_integrity()  # AssertionError: the pool is corrupt, the loop must end
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -108,7 +108,13 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
             "response": {
                 "status_code": line.error["status_code"],
                 "request_id": rid,
-                "body": {"error": {"message": line.error["message"], "type": "invalid_request_error", "code": line.error["code"]}},
+                "body": {
+                    "error": {
+                        "message": line.error["message"],
+                        "type": "server_error" if line.error["status_code"] >= 500 else "invalid_request_error",
+                        "code": line.error["code"],
+                    }
+                },
             },
             "error": {"code": line.error["code"], "message": line.error["message"]},
         }
@@ -147,6 +153,8 @@ def run_batch(engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: st
             line.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 line.finish_reason = out.finish_reason
+                if out.error is not None:
+                    line.error = _error(500, "engine_error", f"the engine failed on this request: {out.error}")
     for line in lines:
         outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
     failed = sum(1 for line in lines if line.error is not None)

@@ -21,6 +21,11 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+#: Integer request fields are bounded so every value can be represented where it is used
+#: (int64 tensors in the sampler, a 64-bit generator seed): a larger one is a 400, never a crash.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -189,16 +194,29 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> SamplingParams:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or not 0 < self.max_tokens <= INT32_MAX:
+            raise InvalidRequestError(
+                f"max_tokens must be a positive integer (at most {INT32_MAX}), got {self.max_tokens!r}", "max_tokens"
+            )
         if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if not is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise InvalidRequestError(
+                f"top_k must be -1 or 0 (disabled) or a positive integer up to {INT32_MAX}, got {self.top_k!r}", "top_k"
+            )
+        if self.seed is not None and (not is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise InvalidRequestError(
+                f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}", "seed"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
         if len(self.stop) > 16:
             raise InvalidRequestError("at most 16 stop strings are allowed", "stop")
+        if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be token ids (non-negative integers)", "stop_token_ids")
         return self

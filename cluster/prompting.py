@@ -9,9 +9,23 @@ from __future__ import annotations
 from cluster.errors import InvalidRequestError
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """JSON can carry lone surrogates (``"\\ud800"``) that are not text; the tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("unicode_escape").decode()
+        raise InvalidRequestError(
+            f"{param} contains {bad} at character {e.start}, a lone UTF-16 surrogate that is not valid "
+            "Unicode; send well-formed text",
+            param,
+        ) from None
+
+
 def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     """Text is tokenized with the tokenizer's own special tokens (e.g. BOS); a list of ids passes through."""
     if isinstance(prompt, str):
+        _check_unicode(prompt, "prompt")
         return list(tokenizer(prompt).input_ids)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise InvalidRequestError("prompt must be a string or a list of integer token ids", "prompt")
@@ -20,6 +34,8 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
 
 def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Renders ``messages`` with the tokenizer's chat template; a clear error when the model has none."""
+    for m in messages:
+        _check_unicode(m.get("content") or "", "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this model's tokenizer has no chat template, so /v1/chat/completions cannot render "
@@ -31,5 +47,24 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja errors: the template rejected these messages
         raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
+    _check_unicode(text, "messages")
     # The template already spells out special tokens; do not add BOS twice.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token of this vocabulary stands for (byte-level and SentencePiece vocabularies
+    spell each byte with at least one character, so this bounds the text of any token)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_text_fits(num_chars: int, chars_per_token: int, max_model_len: int, param: str) -> None:
+    """Refuses, before tokenizing, text that cannot fit the context even at the most characters per token
+    (a margin of 2x covers normalizers that drop characters)."""
+    least_tokens = num_chars // (2 * chars_per_token)
+    if least_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"the {param} has {num_chars} characters, which is at least {least_tokens} tokens, but the model's "
+            f"context is {max_model_len} tokens; shorten the {param}",
+            param,
+        )

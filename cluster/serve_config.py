@@ -133,6 +133,8 @@ class ServeConfig(_Frozen):
     kv_transfer_host: str | None = None
     #: How often replicas report routing stats to Serve's request routers.
     routing_stats_period_s: float = Field(0.5, gt=0)
+    #: Largest HTTP request body the router reads; a larger one is a 413 before anything is parsed.
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     #: Expose ``/admin/pools`` (block counts, integrity) for tests and operators.
     enable_admin_api: bool = True
 

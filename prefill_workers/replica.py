@@ -85,6 +85,8 @@ class PrefillWorker:
         out = await next_output(q)
         while not out.finished:  # max_tokens=1: the first output is the last
             out = await next_output(q)
+        if out.error is not None:  # the decode side retries elsewhere or prefills locally
+            raise RuntimeError(f"prefill of {rid} failed in the engine: {out.error}")
         t0 = time.perf_counter()
 
         first = out.new_token_ids[0]

@@ -14,7 +14,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
@@ -27,7 +28,7 @@ from cluster.engine.block_pool import hash_full_blocks
 from cluster.engine.llm_engine import RequestOutput, load_tokenizer
 from cluster.errors import ShapeserveError
 from cluster.metrics import ReplicaStats, RequestTiming, RouterMetrics
-from cluster.prompting import encode_chat, encode_prompt
+from cluster.prompting import check_text_fits, encode_chat, encode_prompt, max_chars_per_token
 from cluster.serve_config import ServeConfig
 from cluster.serve_types import GenerateTask, Started
 from router.admission import AdmissionController, PrefixEstimator
@@ -46,6 +47,10 @@ from router.protocol import (
 )
 
 log = logging.getLogger("ray.serve")
+
+#: Prompts longer than this (characters) are tokenized on a worker thread, not on the event loop:
+#: a long tokenization must not stall every other request's streaming.
+TOKENIZE_INLINE_MAX_CHARS = 8192
 
 app = FastAPI(title="shapeserve")
 
@@ -98,6 +103,11 @@ class _Run:
                 if isinstance(item, Started):
                     self.timing.started = self.timing.started or time.monotonic()
                     continue
+                if item.error is not None:  # the engine failed on this request (only this one)
+                    self.r.metrics.errors.labels("500").inc()
+                    raise APIError(
+                        500, f"the engine failed while generating this request: {item.error}", "server_error"
+                    )
                 self.r.metrics.observe_token(self.timing, time.monotonic(), len(item.new_token_ids))
                 self.num_output = item.num_output_tokens
                 self.num_cached = item.num_cached_tokens
@@ -189,6 +199,8 @@ class Router:
         self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = ModelConfig.from_pretrained(model_dir).max_position_embeddings
         self.vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.admission = AdmissionController(config.admission)
         self.prefix = PrefixEstimator()
         self._pool_stats: list[ReplicaStats] = []
@@ -252,19 +264,45 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        req: CompletionRequest = parse_body(await self._read_body(request), CompletionRequest)
         self._check_model(req.model)
-        prompt = self._encode(lambda: encode_prompt(self.tokenizer, req.prompt))
+        size = len(req.prompt) if isinstance(req.prompt, str) else 0
+        prompt = await self._encode(lambda: encode_prompt(self.tokenizer, req.prompt), size, "prompt")
         return await self._generate("completion", req, prompt, default_max_tokens=16)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+        req: ChatCompletionRequest = parse_body(await self._read_body(request), ChatCompletionRequest)
         self._check_model(req.model)
-        prompt = self._encode(lambda: encode_chat(self.tokenizer, req.conversation(), req.add_generation_prompt))
+        conversation = self._encode_now(req.conversation)
+        size = sum(len(m["content"]) for m in conversation)
+        prompt = await self._encode(
+            lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt), size, "messages"
+        )
         return await self._generate("chat", req, prompt, default_max_tokens=max(1, self.max_model_len - len(prompt)))
 
     # ---- one request ------------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, read no further than ``max_request_body_bytes`` (413 past it: a huge body must not
+        cost the router its memory)."""
+        limit = self.config.max_request_body_bytes
+        too_large = APIError(
+            413,
+            f"the request body is larger than this server's limit of {limit} bytes; send a shorter prompt "
+            "(the operator can raise max_request_body_bytes)",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:
         if model not in (self.config.model_name, self.model_dir):
@@ -277,11 +315,19 @@ class Router:
             )
 
     @staticmethod
-    def _encode(fn) -> list[int]:
+    def _encode_now(fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except ShapeserveError as e:
             raise _user_error(e) from None
+
+    async def _encode(self, fn: Callable[[], list[int]], num_chars: int, param: str) -> list[int]:
+        """Tokenizes (or renders the chat template): text that cannot fit the context is refused first, and
+        long text is tokenized off the event loop."""
+        self._encode_now(lambda: check_text_fits(num_chars, self.chars_per_token, self.max_model_len, param))
+        if num_chars <= TOKENIZE_INLINE_MAX_CHARS:
+            return self._encode_now(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._encode_now, fn)
 
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
         n = len(prompt)

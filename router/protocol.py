@@ -196,16 +196,21 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Bytes -> validated request model; APIError(400) on malformed JSON or bad fields."""
+    too_deep = APIError(400, "request body is nested too deeply; no field of this API nests that far", code="invalid_json")
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    except RecursionError:
+        raise too_deep from None
 
 
 # ---- responses ------------------------------------------------------------------------

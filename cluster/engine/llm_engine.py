@@ -6,6 +6,7 @@ Runs without Ray.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +20,14 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
 from cluster.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for_memory, torch_dtype
 from cluster.engine.linear import choose_matmul, use_matmul
-from cluster.engine.model_runner import ModelRunner
+from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    #: Set (with finish_reason "error") when the engine failed on this request; it has ended.
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,8 +199,48 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return outputs
-        run_out = self.runner.execute(sched_out)
+        try:
+            run_out = self.runner.execute(sched_out)
+        except Exception as e:  # noqa: BLE001 - whatever it was, it must not end the other requests
+            sched_out, run_out, failed = self._run_one_by_one(sched_out, e)
+            outputs += failed
         return outputs + self._postprocess(sched_out, run_out.sampled)
+
+    def _run_one_by_one(
+        self, sched_out: SchedulerOutput, error: Exception
+    ) -> tuple[SchedulerOutput, RunnerOutput, list[RequestOutput]]:
+        """A step that raised is run again request by request: only the requests that fail alone fail
+        (they end with an error output and free their blocks); the others get this step's tokens."""
+        log.warning("an engine step of %d requests failed (%r); running them one by one", len(sched_out.scheduled), error)
+        kept, sampled, failed = [], {}, []
+        for s in sched_out.scheduled:
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput((s,))).sampled)
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed in the engine", s.request.request_id)
+                failed.append(self._fail(s.request, e))
+            else:
+                kept.append(s)
+        return SchedulerOutput(tuple(kept), sched_out.preempted_ids), RunnerOutput(sampled), failed
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """Ends ``req`` with an error and frees its blocks (held ones too: nobody can use them now)."""
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self.scheduler.release_blocks(req)
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=(),
+            new_text="",
+            new_logprobs=(),
+            finished=True,
+            finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+            error=f"{type(error).__name__}: {error}",
+        )
 
     def _postprocess(self, sched_out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[RequestOutput]:
         self.scheduler.update_after_step(sched_out)
@@ -213,35 +258,40 @@ class LLMEngine:
     def _postprocess_tokens(self, fresh) -> list[RequestOutput]:
         outputs = []
         for req, token, logprob in fresh:
-            detok = self._detok[req.request_id]
-            before = len(detok.text)
-            detok.push([token])
-            status = self._stop_status(req, token)
-            stop_at = self._find_stop_string(req, detok.text, before)
-            if stop_at is not None:
-                detok.text, status = detok.text[:stop_at], RequestStatus.FINISHED_STOPPED
-            elif status is not None:
-                detok.flush()
-            new_text = self._emit_text(req, detok, finished=status is not None)
-            if status is not None:
-                self.scheduler.finish(req, status, release_blocks=not req.hold_kv_on_finish)
-                if not req.hold_kv_on_finish:
-                    self.requests.pop(req.request_id, None)
-                self._detok.pop(req.request_id, None)
-            outputs.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    new_token_ids=(token,),
-                    new_text=new_text,
-                    new_logprobs=(logprob,) if logprob is not None else (),
-                    finished=status is not None,
-                    finish_reason=status.finish_reason if status is not None else None,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_output_tokens=len(req.output_token_ids),
-                    num_cached_tokens=req.num_cached_tokens,
-                )
-            )
+            try:
+                outputs.append(self._postprocess_token(req, token, logprob))
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer failure: this request only
+                log.exception("postprocessing request %s failed", req.request_id)
+                outputs.append(self._fail(req, e))
         return outputs
+
+    def _postprocess_token(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        before = len(detok.text)
+        detok.push([token])
+        status = self._stop_status(req, token)
+        stop_at = self._find_stop_string(req, detok.text, before)
+        if stop_at is not None:
+            detok.text, status = detok.text[:stop_at], RequestStatus.FINISHED_STOPPED
+        elif status is not None:
+            detok.flush()
+        new_text = self._emit_text(req, detok, finished=status is not None)
+        if status is not None:
+            self.scheduler.finish(req, status, release_blocks=not req.hold_kv_on_finish)
+            if not req.hold_kv_on_finish:
+                self.requests.pop(req.request_id, None)
+            self._detok.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=(token,),
+            new_text=new_text,
+            new_logprobs=(logprob,) if logprob is not None else (),
+            finished=status is not None,
+            finish_reason=status.finish_reason if status is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     @staticmethod
     def _emit_text(req: Request, detok: IncrementalDetokenizer, finished: bool) -> str:

@@ -25,6 +25,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    #: The engine failed while computing this request (it alone; the others in its step go on).
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -37,6 +39,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 

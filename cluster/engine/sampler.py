@@ -52,7 +52,8 @@ def _sample_random(logits, params, generators, greedy) -> torch.Tensor:
     batch, vocab = logits.shape
     temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
     scaled = logits / temps[:, None]
-    top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    # A top_k above the vocabulary keeps every token (and must not overflow the int64 tensor below).
+    top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_ps = [p.top_p for p in params]
     if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
         scaled = _apply_top_k_top_p(scaled, torch.tensor(top_ks), torch.tensor(top_ps, dtype=torch.float32))

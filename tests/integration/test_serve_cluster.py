@@ -359,3 +359,66 @@ def test_killed_prefill_replica_every_request_completes(server, offline):
     decode = p["decode"][0]
     assert decode["transfer_failures"] >= 1  # prefills in flight on the killed replica failed...
     assert decode["local_fallbacks"] + decode["prefill_retries"] >= 1  # ...and were retried or prefilled locally
+
+
+def test_hostile_numbers_are_400s_and_the_engine_keeps_streaming(server, offline):
+    """A top_k or seed past 64 bits used to overflow the engine's batch tensors and kill the decode loop
+    for every user; now it is a 400 naming the field, and a sampled stream running beside it finishes."""
+    sampled = {"model": "demo", "prompt": "Hello", "max_tokens": 40, "temperature": 0.7, "top_p": 0.9, "seed": 5}
+    result = {}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {**sampled, "stream": True, "ignore_eos": True, "return_token_ids": True}
+            async with c.stream("POST", f"{server}/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                ids, fired = [], False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                    if not fired:
+                        fired = True
+                        result["bad"] = await asyncio.gather(
+                            c.post(f"{server}/v1/completions", json={**sampled, "top_k": 2**64}),
+                            c.post(f"{server}/v1/completions", json={**sampled, "seed": 2**64}),
+                            c.post(f"{server}/v1/completions", json={**sampled, "max_tokens": 2**64}),
+                            c.post(f"{server}/v1/completions", json={**sampled, "top_k": 2**31 - 1, "max_tokens": 3}),
+                        )
+                result["ids"] = ids
+
+    asyncio.run(main())
+    assert [r.status_code for r in result["bad"]] == [400, 400, 400, 200]
+    assert [r.json()["error"]["param"] for r in result["bad"][:3]] == ["top_k", "seed", "max_tokens"]
+    assert len(result["ids"]) == 40
+    assert complete(server, "Hello", 8).json()["choices"][0]["token_ids"] == offline(["Hello"], 8)[0]
+
+
+def test_oversized_and_malformed_bodies_are_refused_before_parsing(server, offline):
+    big = json.dumps({"model": "demo", "prompt": "x" * (5 << 20), "max_tokens": 1}).encode()
+    headers = {"content-type": "application/json"}
+    declared = httpx.post(f"{server}/v1/completions", content=big, headers=headers, timeout=60)
+    # Without Content-Length (chunked), the router stops reading at the limit.
+    chunked = httpx.post(
+        f"{server}/v1/completions", content=(big[i : i + 65536] for i in range(0, len(big), 65536)), headers=headers
+    )
+    for r in (declared, chunked):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large" and "4194304 bytes" in r.json()["error"]["message"]
+
+    too_long = httpx.post(f"{server}/v1/completions", json={"model": "demo", "prompt": "ab " * 1_000_000}, timeout=60)
+    assert too_long.status_code == 400 and "characters" in too_long.json()["error"]["message"]
+
+    nested = b'{"model": "demo", "prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    surrogate_prompt = b'{"model": "demo", "prompt": "hi \\ud800", "max_tokens": 2}'
+    surrogate_chat = b'{"model": "demo", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'
+    for path, raw, param in [
+        ("completions", nested, None),
+        ("completions", surrogate_prompt, "prompt"),
+        ("chat/completions", surrogate_chat, "messages"),
+    ]:
+        r = httpx.post(f"{server}/v1/{path}", content=raw, headers=headers, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert complete(server, "Hello", 8).json()["choices"][0]["token_ids"] == offline(["Hello"], 8)[0]
