@@ -18,7 +18,7 @@ import torch
 
 from bench.workload import load_workload
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
-from cluster.demo_model import DemoModelSpec, ensure_demo_model
+from cluster.tools.demo_model import DemoModelSpec, ensure_demo_model
 from cluster.engine.llm_engine import LLMEngine
 
 # The model the issue names: hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 32000, float32.

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import cpu_decode
-from cluster.engine.attention import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from cluster.engine.sdpa_attention import GatherBuffer, paged_attention_sdpa
+from cluster.engine.attention import cpu_decode
+from cluster.engine.attention.base import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from cluster.engine.attention.sdpa import GatherBuffer, paged_attention_sdpa
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (batch, context, num_heads, kv_heads, head_dim, dtype, prefill_seqs, prefill_query)
@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     t = lambda fn: timeit(fn, device, warmup, repeats)  # noqa: E731
 
     if not args.torch_only:
-        from cluster.kernels.decode import paged_decode_attention
-        from cluster.kernels.kv_write import write_kv
-        from cluster.kernels.prefill import paged_prefill_attention
+        from cluster.engine.attention.triton.decode import paged_decode_attention
+        from cluster.engine.attention.triton.kv_write import write_kv
+        from cluster.engine.attention.triton.prefill import paged_prefill_attention
 
     rows: list[Row] = []
     copy_gbps = None

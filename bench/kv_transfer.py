@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))  # first: this file's own name must not shadow the
 import torch  # noqa: E402
 
 from cluster.engine.block_pool import BlockPool  # noqa: E402
-from cluster.engine.kv_cache import KVLayout, allocate_kv_cache  # noqa: E402
+from cluster.engine.kv_cache import allocate_kv_cache  # noqa: E402
+from cluster.kv_layout import KVLayout  # noqa: E402
 from kv_transfer import KVReceiver, KVSender, KVTransferConfig, PagedKV, PoolReserver, pool_release, wire  # noqa: E402
 
 #: An 8-layer, 8 KV-head, head_dim 128, fp16 model with 16-token blocks: 512 KiB per block.

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from cluster.async_engine import AsyncEngine, next_output
-from cluster.engine.kv_cache import torch_dtype
+from cluster.serving.async_engine import AsyncEngine, next_output
+from cluster.dtypes import torch_dtype
 from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation, RequestOutput
-from cluster.replica_lifecycle import report_stats_forever, stop_replica
-from cluster.metrics import ReplicaStats
-from cluster.serve_config import ServeConfig
-from cluster.serve_types import GenerateTask, PrefillResult, PrefillTask, Started
+from cluster.serving.replica_lifecycle import report_stats_forever, stop_replica
+from cluster.serving.metrics import ReplicaStats
+from cluster.serving.config import ServeConfig
+from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Started
 from kv_transfer import KVReceiver, KVTransferConfig, Lease, PagedKV, Reservation
 
 log = logging.getLogger("ray.serve")

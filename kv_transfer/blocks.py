@@ -20,7 +20,8 @@ from typing import Any, Protocol
 import torch
 
 from cluster.engine.block_pool import BlockPool
-from cluster.engine.kv_cache import KVLayout, dtype_name
+from cluster.dtypes import dtype_name
+from cluster.kv_layout import KVLayout
 
 
 class BlockSource(Protocol):

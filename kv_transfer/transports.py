@@ -21,7 +21,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from cluster.engine.kv_cache import KVLayout, torch_dtype
+from cluster.dtypes import torch_dtype
+from cluster.kv_layout import KVLayout
 from kv_transfer import collective, rpc, wire
 from kv_transfer.blocks import blocks_shape
 from kv_transfer.config import KVTransferConfig

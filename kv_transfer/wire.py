@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import msgpack
 import torch
 
-from cluster.engine.kv_cache import KVLayout, dtype_name, torch_dtype
+from cluster.dtypes import dtype_name, torch_dtype
+from cluster.kv_layout import KVLayout
 from kv_transfer.errors import WireFormatError
 from kv_transfer.lease import Lease
 

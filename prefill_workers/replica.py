@@ -18,12 +18,12 @@ import time
 
 from ray import serve
 
-from cluster.async_engine import AsyncEngine, next_output
+from cluster.serving.async_engine import AsyncEngine, next_output
 from cluster.engine.llm_engine import LLMEngine
-from cluster.replica_lifecycle import report_stats_forever, stop_replica
-from cluster.metrics import ReplicaStats
-from cluster.serve_config import ServeConfig
-from cluster.serve_types import PrefillResult, PrefillTask
+from cluster.serving.replica_lifecycle import report_stats_forever, stop_replica
+from cluster.serving.metrics import ReplicaStats
+from cluster.serving.config import ServeConfig
+from cluster.serving.messages import PrefillResult, PrefillTask
 from kv_transfer import KVSender, KVTransferConfig, LeaseState, PagedKV
 
 log = logging.getLogger("ray.serve")

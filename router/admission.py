@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.serve_config import AdmissionConfig
+from cluster.serving.config import AdmissionConfig
 from router.classifier import ClassLoad, LoadSnapshot, Route
 
 

@@ -24,16 +24,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from cluster.config import ModelConfig
-from cluster.engine.block_pool import hash_full_blocks
-from cluster.engine.llm_engine import RequestOutput, load_tokenizer
+from cluster.prefix_hash import hash_full_blocks
+from cluster.engine.llm_engine import RequestOutput
+from cluster.tokenizer import load_tokenizer
 from cluster.errors import ShapeserveError
-from cluster.metrics import ReplicaStats, RequestTiming, RouterMetrics
+from cluster.serving.metrics import ReplicaStats, RequestTiming, RouterMetrics
 from cluster.prompting import check_text_fits, encode_chat, encode_prompt, max_chars_per_token
-from cluster.serve_config import ServeConfig
-from cluster.serve_types import GenerateTask, Started
+from cluster.serving.config import ServeConfig
+from cluster.serving.messages import GenerateTask, Started
 from router.admission import AdmissionController, PrefixEstimator
 from router.classifier import RequestGeometry, Route, classify
-from router.protocol import (
+from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

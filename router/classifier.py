@@ -16,7 +16,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from cluster.serve_config import AdmissionConfig, ClassBudget, ClassifierConfig
+from cluster.serving.config import AdmissionConfig, ClassBudget, ClassifierConfig
 
 
 class Route(str, enum.Enum):

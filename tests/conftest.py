@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.demo_model import DemoModelSpec, write_demo_model
+from cluster.tools.demo_model import DemoModelSpec, write_demo_model
 
 # Three shapes for parity with transformers: MHA + untied, GQA + tied, Qwen2 (q/k/v biases) + GQA.
 PARITY_SPECS = {

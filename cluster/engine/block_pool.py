@@ -10,41 +10,17 @@ head (never-used blocks first, then the least recently freed), evicting a cached
 hash when it is reused. A request frees its blocks tail first, so a prefix's last blocks
 are evicted before its first ones (a shorter prefix stays useful longer).
 
-Hashes are chained over full blocks only: h_i = H(h_{i-1}, tokens of block i, extra key).
-They are stable across processes (blake2b), so a router can score prefix affinity with the
-same function a worker uses.
+Hashes (``cluster.prefix_hash``) are chained over full blocks only and stable across
+processes, so a router can score prefix affinity with the same function a worker uses.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-BlockHash = bytes
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str | None = None) -> BlockHash:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0")
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    if extra_key:
-        h.update(extra_key.encode())
-    return h.digest()
-
-
-def hash_full_blocks(token_ids: Sequence[int], block_size: int, extra_key: str | None = None) -> list[BlockHash]:
-    """Chained hashes of every full block of ``token_ids``. Pure; used by router and pool alike."""
-    hashes: list[BlockHash] = []
-    parent = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
-        hashes.append(parent)
-    return hashes
-
+from cluster.prefix_hash import BlockHash
 
 @dataclass(slots=True)
 class Block:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -18,14 +17,17 @@ from cluster.engine.block_pool import BlockPool
 from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
-from cluster.engine.kv_cache import KVLayout, allocate_kv_cache, num_blocks_for_memory, torch_dtype
+from cluster.dtypes import torch_dtype
+from cluster.engine.kv_cache import allocate_kv_cache
+from cluster.kv_layout import KVLayout, num_blocks_for_memory
 from cluster.engine.linear import choose_matmul, use_matmul
 from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
-from cluster.errors import InvalidRequestError, ModelLoadError
+from cluster.errors import InvalidRequestError
+from cluster.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +54,6 @@ class RemoteKVReservation:
     block_ids: tuple[int, ...]
     #: Leading prompt tokens already in this pool's prefix cache: their blocks need no transfer.
     num_cached_tokens: int
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if not any((Path(path) / f).is_file() for f in files):
-        raise ModelLoadError(f"no tokenizer in {path!r}: expected one of {files}")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types for a broken directory
-        raise ModelLoadError(f"cannot load the tokenizer from {path!r}: {e}") from e
 
 
 class LLMEngine:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.config import ModelConfig
-from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.attention.base import AttentionBackend, AttentionMetadata
 from cluster.engine.linear import Linear
 
 

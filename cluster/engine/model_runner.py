@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.attention.base import AttentionBackend, AttentionMetadata
 from cluster.engine.model import LlamaForCausalLM
 from cluster.engine.sampler import sample
 from cluster.engine.scheduler import SchedulerOutput

@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.config import CacheConfig, SchedulerConfig
-from cluster.engine.block_pool import BlockPool, hash_block, hash_full_blocks
+from cluster.engine.block_pool import BlockPool
+from cluster.prefix_hash import hash_block, hash_full_blocks
 from cluster.engine.request import Request, RequestStatus
 
 

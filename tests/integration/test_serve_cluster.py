@@ -47,8 +47,8 @@ def server(demo_model):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.serve_app import APP_NAME, build_app
-    from cluster.serve_config import parse_serve_config
+    from cluster.app import APP_NAME, build_app
+    from cluster.serving.config import parse_serve_config
 
     port = _free_port()
     pool = {"num_cpus": 0, "num_gpus": 0, "num_blocks": 256, "num_threads": 1, "max_num_batched_tokens": 512}

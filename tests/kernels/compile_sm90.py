@@ -16,9 +16,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cluster.kernels.decode import _decode_merge_kernel, _decode_partition_kernel
-from cluster.kernels.kv_write import _write_kv_kernel
-from cluster.kernels.prefill import _prefill_kernel
+from cluster.engine.attention.triton.decode import _decode_merge_kernel, _decode_partition_kernel
+from cluster.engine.attention.triton.kv_write import _write_kv_kernel
+from cluster.engine.attention.triton.prefill import _prefill_kernel
 
 INDEX_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
 FP32_PTRS = {"part_out_ptr", "part_max_ptr", "part_sum_ptr"}

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.kernels.backend import TritonAttentionBackend
+from cluster.engine.attention.triton.backend import TritonAttentionBackend
 from tests.helpers import engine_config, random_prompts
 
 pytestmark = pytest.mark.kernels

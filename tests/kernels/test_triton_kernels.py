@@ -15,19 +15,19 @@ import sys
 import pytest
 import torch
 
-from cluster.engine.attention import (
+from cluster.engine.attention import get_attention_backend
+from cluster.engine.attention.base import (
     AttentionMetadata,
-    TorchAttentionBackend,
-    get_attention_backend,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     write_kv_ref,
 )
-from cluster.kernels._common import check_device, interpreting
-from cluster.kernels.backend import TritonAttentionBackend
-from cluster.kernels.decode import _decode_partition_kernel, choose_partition_size, paged_decode_attention
-from cluster.kernels.kv_write import write_kv
-from cluster.kernels.prefill import paged_prefill_attention
+from cluster.engine.attention.torch_backend import TorchAttentionBackend
+from cluster.engine.attention.triton._common import check_device, interpreting
+from cluster.engine.attention.triton.backend import TritonAttentionBackend
+from cluster.engine.attention.triton.decode import _decode_partition_kernel, choose_partition_size, paged_decode_attention
+from cluster.engine.attention.triton.kv_write import write_kv
+from cluster.engine.attention.triton.prefill import paged_prefill_attention
 
 pytestmark = pytest.mark.kernels
 
@@ -38,7 +38,7 @@ TOL = {F32: dict(atol=2e-5, rtol=1e-5), F16: dict(atol=4e-3, rtol=4e-3), BF16: d
 
 
 def test_runs_natively_or_interpreted():
-    # A CPU run needs the interpreter; the conftest sets it before cluster.kernels is imported.
+    # A CPU run needs the interpreter; the conftest sets it before the triton kernels are imported.
     assert DEVICE == "cuda" or interpreting(_decode_partition_kernel)
 
 

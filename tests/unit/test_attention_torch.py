@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from cluster.engine.attention import (
+from cluster.engine.attention.base import (
     AttentionMetadata,
-    TorchAttentionBackend,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
-from cluster.engine.cpu_decode import paged_decode_attention_cpu, supports
-from cluster.engine.sdpa_attention import GatherBuffer, length_buckets, paged_attention_sdpa
+from cluster.engine.attention.torch_backend import TorchAttentionBackend
+from cluster.engine.attention.cpu_decode import paged_decode_attention_cpu, supports
+from cluster.engine.attention.sdpa import GatherBuffer, length_buckets, paged_attention_sdpa
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -127,7 +127,7 @@ def test_torch_backend_runs_a_mixed_step_like_the_references(dtype):
 
 
 def test_every_layer_of_a_step_reuses_the_steps_sdpa_plan():
-    from cluster.engine.sdpa_attention import _plan
+    from cluster.engine.attention.sdpa import _plan
 
     query_lens, seq_lens = [1, 1, 30], [40, 50, 30]
     k_cache, v_cache, tables, g = paged_context(seq_lens, 16, 2, 32, torch.float32, seed=3)
@@ -143,8 +143,8 @@ def test_warm_up_compiles_the_decode_kernel_in_a_fresh_process():
     """Run where nothing has launched the kernel yet, so only warm_up can have compiled it."""
     code = (
         "import torch\n"
-        "from cluster.engine.attention import TorchAttentionBackend\n"
-        "from cluster.engine.cpu_decode import _decode_kernel\n"
+        "from cluster.engine.attention.torch_backend import TorchAttentionBackend\n"
+        "from cluster.engine.attention.cpu_decode import _decode_kernel\n"
         "assert not _decode_kernel.signatures\n"
         "cache = torch.randn(4, 16, 2, 32)\n"
         "TorchAttentionBackend().warm_up(cache, cache)\n"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.cli import main as cli_main
+from cluster.tools.cli import main as cli_main
 from cluster.config import EngineConfig, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError

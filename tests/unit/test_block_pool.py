@@ -2,7 +2,8 @@
 
 import pytest
 
-from cluster.engine.block_pool import BlockPool, hash_block, hash_full_blocks
+from cluster.engine.block_pool import BlockPool
+from cluster.prefix_hash import hash_block, hash_full_blocks
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.serve_config import AdmissionConfig, ClassBudget, ClassifierConfig
+from cluster.serving.config import AdmissionConfig, ClassBudget, ClassifierConfig
 from router.classifier import ClassLoad, LoadSnapshot, RequestGeometry, Route, classify, route_class
 
 CFG = ClassifierConfig(local_max_uncached_tokens=32, high_priority=1, priority_headroom=0.5)

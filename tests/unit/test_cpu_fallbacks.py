@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.cli import main as cli_main
+from cluster.tools.cli import main as cli_main
 from cluster.config import SamplingParams
-from cluster.engine import cpu_decode, cpu_features
+from cluster.engine import cpu_features
+from cluster.engine.attention import cpu_decode
 from cluster.engine import linear as linear_module
 from cluster.engine.llm_engine import LLMEngine
 from tests.helpers import engine_config, random_prompts

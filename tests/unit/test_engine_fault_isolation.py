@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from cluster.async_engine import AsyncEngine, EngineDead, next_output
+from cluster.serving.async_engine import AsyncEngine, EngineDead, next_output
 from cluster.config import SamplingParams
 from cluster.engine import model_runner
 from cluster.engine.llm_engine import LLMEngine

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from cluster.cli import main as cli_main
+from cluster.tools.cli import main as cli_main
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from tests.conftest import PARITY_SPECS

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from cluster.engine.kv_cache import KVLayout
+from cluster.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.errors import WireFormatError
 from kv_transfer.lease import Lease

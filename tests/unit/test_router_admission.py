@@ -1,7 +1,7 @@
 """Admission counts, drain rate, and the prefix estimator (no Ray)."""
 
-from cluster.engine.block_pool import hash_full_blocks
-from cluster.serve_config import AdmissionConfig
+from cluster.prefix_hash import hash_full_blocks
+from cluster.serving.config import AdmissionConfig
 from router.admission import AdmissionController, PrefixEstimator
 from router.classifier import Route
 

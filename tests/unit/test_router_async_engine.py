@@ -2,7 +2,7 @@
 
 import asyncio
 
-from cluster.async_engine import AsyncEngine, next_output
+from cluster.serving.async_engine import AsyncEngine, next_output
 from cluster.config import CacheConfig, EngineConfig, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 

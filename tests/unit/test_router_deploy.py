@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.serve_config import load_serve_config
+from cluster.serving.config import load_serve_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -25,7 +25,7 @@ def test_serve_app_yaml_and_autoscaling_policies():
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
+    from cluster.serving.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
 
     ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / "serve-app.yaml").read_text()))
     policies = [
@@ -36,14 +36,14 @@ def test_serve_app_yaml_and_autoscaling_policies():
 
 
 def test_app_builder_builds_the_graph():
-    from cluster.serve_app import app_builder
+    from cluster.app import app_builder
 
     app = app_builder({"config": str(DEPLOY / "shapeserve.yaml"), "overrides": {"port": 9001}})
     assert type(app).__name__ == "Application"
 
 
 def test_pool_placement_options():
-    from cluster.serve_app import _pool_options, cluster_has_gpus
+    from cluster.app import _pool_options, cluster_has_gpus
     from router.replica_choice import DecodeRequestRouter
 
     cfg = load_serve_config(DEPLOY / "shapeserve.yaml")

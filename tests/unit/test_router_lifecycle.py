@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams
-from cluster.engine.block_pool import hash_full_blocks
+from cluster.prefix_hash import hash_full_blocks
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
-from cluster.serve_config import parse_serve_config
-from cluster.serve_types import GenerateTask
+from cluster.serving.config import parse_serve_config
+from cluster.serving.messages import GenerateTask
 from decode_workers.replica import DecodeWorker
 from prefill_workers.replica import PrefillWorker
 

@@ -1,7 +1,7 @@
 """Router metrics: client-side timings, goodput against the SLO, pool stats rendering (no Ray)."""
 
-from cluster.metrics import BatchGeometry, ReplicaStats, RequestTiming, RouterMetrics
-from cluster.serve_config import SLOConfig
+from cluster.serving.metrics import BatchGeometry, ReplicaStats, RequestTiming, RouterMetrics
+from cluster.serving.config import SLOConfig
 
 
 def test_timings_goodput_and_pool_families():

@@ -2,15 +2,15 @@
 
 from collections import OrderedDict
 
-from cluster.autoscaling import (
+from cluster.serving.autoscaling import (
     DecodeAutoscalingPolicy,
     PrefillAutoscalingPolicy,
     decode_desired_replicas,
     prefill_desired_replicas,
     serve_autoscaling_config,
 )
-from cluster.engine.block_pool import hash_full_blocks
-from cluster.serve_config import AutoscalingThresholds
+from cluster.prefix_hash import hash_full_blocks
+from cluster.serving.config import AutoscalingThresholds
 from router.replica_choice import prefix_overlap, rank_decode, rank_prefill
 
 

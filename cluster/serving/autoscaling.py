@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from cluster.serve_config import AutoscalingThresholds
+from cluster.serving.config import AutoscalingThresholds
 
 
 def _clamp(n: int, t: AutoscalingThresholds) -> int:

@@ -1,8 +1,7 @@
-"""Attention over the paged KV cache: the backend interface, its metadata, the torch references
-and the torch backend.
+"""Attention over the paged KV cache: the backend interface, its metadata and the torch references.
 
 The ``*_ref`` functions are plain padded torch: the oracle every backend (the torch backend's
-fast paths, the Triton kernels) is tested against. The torch backend is the CPU default.
+fast paths, the Triton kernels) is tested against.
 A backend does two things per layer: write this step's new K/V into their slots, then attend
 each query token to its sequence's cached context (prefix + this step's tokens).
 
@@ -14,24 +13,12 @@ its ``seq_len`` context are the queries (causal within the chunk).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.sdpa_attention import GatherBuffer, paged_attention_sdpa
-
-log = logging.getLogger(__name__)
-
-try:  # numba compiles the CPU decode kernel; without it, decodes run through SDPA too.
-    from cluster.engine import cpu_decode as _cpu_decode
-
-    _CPU_DECODE_UNAVAILABLE = ""
-except ImportError as _e:  # pragma: no cover - numba is a declared dependency
-    _cpu_decode = None
-    _CPU_DECODE_UNAVAILABLE = f"numba cannot be imported ({_e})"
 
 
 @dataclass(frozen=True)
@@ -184,97 +171,3 @@ def paged_prefill_attention_ref(
         enable_gqa=num_heads != kv_heads,
     ).transpose(1, 2)  # [S, Q, H, D]
     return out[valid_q].to(query.dtype)
-
-
-def probe_cpu_decode_kernel() -> str:
-    """Compiles the float32 CPU decode kernel (or loads it from numba's disk cache) and checks it against
-    the reference on fresh random inputs. Returns "" if it can be used, else why not."""
-    if _cpu_decode is None:
-        return _CPU_DECODE_UNAVAILABLE
-    g = torch.Generator().manual_seed(0)
-    k_cache, v_cache = torch.randn(2, 4, 16, 2, 32, generator=g).unbind(0)  # [blocks, block_size, kv_heads, dim]
-    query = torch.randn(2, 4, 32, generator=g)
-    tables = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor([20, 9], dtype=torch.int32)
-    try:
-        got = _cpu_decode.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, 0.2)
-    except Exception as e:  # noqa: BLE001 - numba/LLVM failures come in many types
-        return f"{type(e).__name__}: {e}"
-    want = paged_decode_attention_ref(query, k_cache, v_cache, tables, seq_lens, 0.2)
-    if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
-        return f"its output differs from the reference by {float((got - want).abs().max()):.2e}"
-    return ""
-
-
-class TorchAttentionBackend:
-    """The CPU default, with no per-request loops: float32 decodes go to the compiled paged decode
-    kernel (``cpu_decode``) where it compiles and checks out, everything else to fused SDPA over
-    length buckets (``sdpa_attention``)."""
-
-    name = "torch"
-
-    def __init__(self) -> None:
-        self._gather_buffer = GatherBuffer()
-        #: None until probed (at warm_up, or at the first float32 CPU decode).
-        self._decode_kernel_ok: bool | None = None
-
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
-
-    def warm_up(self, k_cache, v_cache) -> None:
-        # Compiling the decode kernel takes ~7 s the first time (then it loads from numba's on-disk
-        # cache in ~0.3 s): pay it at start-up, where a failure also degrades to SDPA before any request.
-        query = torch.zeros(1, k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype, device=k_cache.device)
-        self._uses_decode_kernel(query, k_cache)
-
-    def _uses_decode_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        if _cpu_decode is None or not _cpu_decode.supports(query, k_cache):
-            return False
-        if self._decode_kernel_ok is None:
-            why_not = probe_cpu_decode_kernel()
-            if why_not:
-                log.warning("the compiled CPU decode kernel is unavailable (%s); decodes run through SDPA", why_not)
-            self._decode_kernel_ok = not why_not
-        return self._decode_kernel_ok
-
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        query_lens = meta.query_lens_list or tuple((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
-        seq_lens = meta.seq_lens_list or tuple(meta.seq_lens.tolist())
-        nd = meta.num_decodes if self._uses_decode_kernel(query, k_cache) else 0
-        if nd == 0:
-            return paged_attention_sdpa(
-                query, k_cache, v_cache, meta.block_tables, query_lens, seq_lens, scale, buffer=self._gather_buffer
-            )
-        out = torch.empty_like(query)
-        out[:nd] = _cpu_decode.paged_decode_attention_cpu(
-            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
-        )
-        if nd < meta.num_seqs:
-            out[nd:] = paged_attention_sdpa(
-                query[nd:],
-                k_cache,
-                v_cache,
-                meta.block_tables[nd:],
-                query_lens[nd:],
-                seq_lens[nd:],
-                scale,
-                buffer=self._gather_buffer,
-            )
-        return out
-
-
-_BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}
-
-
-def register_backend(name: str, cls: type) -> None:
-    _BACKENDS[name] = cls
-
-
-def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """``auto`` picks triton on CUDA and torch elsewhere."""
-    if name == "auto":
-        name = "triton" if str(device).startswith("cuda") else "torch"
-    if name == "triton" and "triton" not in _BACKENDS:
-        # Imported lazily: triton is optional on CPU-only hosts.
-        from cluster.kernels import backend as _triton_backend  # noqa: F401  (registers itself)
-    return _BACKENDS[name]()

@@ -17,9 +17,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.autoscaling import serve_autoscaling_config
-from cluster.metrics import ReplicaStats
-from cluster.serve_config import PoolConfig, ServeConfig
+from cluster.serving.autoscaling import serve_autoscaling_config
+from cluster.serving.metrics import ReplicaStats
+from cluster.serving.config import PoolConfig, ServeConfig
 
 APP_NAME = "shapeserve"
 
@@ -95,7 +95,7 @@ def build_app(config: ServeConfig, model_dir: str | None = None) -> serve.Applic
     if model_dir is None:
         model_dir = config.model
     if model_dir is None:
-        from cluster.demo_model import ensure_demo_model
+        from cluster.tools.demo_model import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
     board = (
@@ -126,10 +126,10 @@ def build_app(config: ServeConfig, model_dir: str | None = None) -> serve.Applic
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Serve's application-builder entry point (``import_path: cluster.serve_app:app_builder`` in a Serve
+    """Serve's application-builder entry point (``import_path: cluster.app:app_builder`` in a Serve
     config YAML). ``args``: ``config`` (path of a ServeConfig YAML) and/or ``overrides`` (a mapping of
     top-level ServeConfig fields), e.g. ``model``."""
-    from cluster.serve_config import load_serve_config
+    from cluster.serving.config import load_serve_config
 
     config = load_serve_config(args.get("config"))
     overrides = args.get("overrides") or {}

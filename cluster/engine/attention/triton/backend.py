@@ -1,17 +1,17 @@
 """The ``triton`` attention backend: the Triton kernels behind the engine's AttentionBackend protocol.
 
-Registers itself with ``register_backend("triton", ...)`` on import;
-``get_attention_backend`` imports this module lazily so CPU-only hosts need no triton.
+Found through ``cluster.engine.attention.BACKENDS`` and imported only when chosen, so CPU-only
+hosts need no triton.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cluster.engine.attention import AttentionMetadata, register_backend
-from cluster.kernels.decode import paged_decode_attention
-from cluster.kernels.kv_write import write_kv
-from cluster.kernels.prefill import paged_prefill_attention
+from cluster.engine.attention.base import AttentionMetadata
+from cluster.engine.attention.triton.decode import paged_decode_attention
+from cluster.engine.attention.triton.kv_write import write_kv
+from cluster.engine.attention.triton.prefill import paged_prefill_attention
 
 
 class TritonAttentionBackend:
@@ -59,4 +59,3 @@ class TritonAttentionBackend:
         return out
 
 
-register_backend("triton", TritonAttentionBackend)

@@ -46,7 +46,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
-    from cluster.batch import run_batch
+    from cluster.tools.batch import run_batch
     from cluster.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
@@ -58,7 +58,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
-    from cluster.demo_model import DemoModelSpec, write_demo_model
+    from cluster.tools.demo_model import DemoModelSpec, write_demo_model
 
     spec = DemoModelSpec(
         vocab_size=args.vocab_size,
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server (local Ray by default)")
     try:
-        from cluster import serve_cli
+        from cluster.tools import serve_cli
     except ImportError as e:  # the serving stack failed to import: say why when `serve` is used
         serve.set_defaults(func=lambda _args, e=e: _fail(f"serving is unavailable: {e}"))
     else:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.engine.request import RequestStatus
-from cluster.metrics import BatchGeometry
+from cluster.serving.metrics import BatchGeometry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

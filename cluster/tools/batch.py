@@ -20,7 +20,7 @@ from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ShapeserveError
 from cluster.prompting import encode_chat, encode_prompt
-from router.protocol import (
+from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.kernels._common import (
+from cluster.engine.attention.triton._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cache_pair,

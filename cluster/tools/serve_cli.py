@@ -44,7 +44,7 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.serve_config import load_serve_config
+    from cluster.serving.config import load_serve_config
 
     try:
         config = load_serve_config(args.config).with_overrides(
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         )
         model_dir = config.model
         if model_dir is None:
-            from cluster.demo_model import ensure_demo_model
+            from cluster.tools.demo_model import ensure_demo_model
 
             model_dir = str(ensure_demo_model())
         from cluster.config import ModelConfig
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.serve_app import APP_NAME, build_app
+    from cluster.app import APP_NAME, build_app
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

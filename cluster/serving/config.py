@@ -23,7 +23,7 @@ class _Frozen(BaseModel):
 
 
 class AutoscalingThresholds(_Frozen):
-    """Thresholds the custom autoscaling policies in ``cluster/autoscaling.py`` read."""
+    """Thresholds the custom autoscaling policies in ``cluster/serving/autoscaling.py`` read."""
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
