@@ -18,7 +18,7 @@ import torch
 
 import cluster.engine.model_runner as runner_module
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, greedy, make_engine
-from bench.workload import load_workload
+from cluster.tools.workloads import load_workload
 from cluster.tools.demo_model import ensure_demo_model
 from cluster.engine.linear import use_matmul
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.workload import load_workload
+from cluster.tools.workloads import load_workload
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from cluster.tools.demo_model import DemoModelSpec, ensure_demo_model
 from cluster.engine.llm_engine import LLMEngine

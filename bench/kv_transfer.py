@@ -4,6 +4,8 @@
 
 The receiver runs in this process, the sender in a child process (this file, ``--role sender``);
 both hold a paged KV pool of the bench layout and move whole blocks between different block ids.
+The receiving side reserves blocks in its own pool and leases them (``KVReceiver.open_lease``);
+the lease reaches the sender as one JSON line on its stdin.
 A transfer is timed on the sender from ``KVSender.send`` to the completion ack (handshake and
 group setup are done by a warm-up transfer first). Prints a table; nccl runs only with 2 GPUs.
 """
@@ -11,6 +13,7 @@ group setup are done by a warm-up transfer first). Prints a table; nccl runs onl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +32,7 @@ import torch  # noqa: E402
 from cluster.engine.block_pool import BlockPool  # noqa: E402
 from cluster.engine.kv_cache import allocate_kv_cache  # noqa: E402
 from cluster.kv_layout import KVLayout  # noqa: E402
-from kv_transfer import KVReceiver, KVSender, KVTransferConfig, PagedKV, PoolReserver, pool_release, wire  # noqa: E402
+from kv_transfer import KVReceiver, KVSender, KVTransferConfig, Lease, PagedKV, Release  # noqa: E402
 
 #: An 8-layer, 8 KV-head, head_dim 128, fp16 model with 16-token blocks: 512 KiB per block.
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 8, 8, 128, 16, "float16"
@@ -36,6 +40,23 @@ LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 8, 8, 128, 16, "float16"
 
 def bench_layout(num_blocks: int) -> KVLayout:
     return KVLayout(LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, num_blocks)
+
+
+def pool_release(pool: BlockPool, lock: threading.Lock) -> Release:
+    def release(request_id: str, block_ids: Sequence[int]) -> None:
+        with lock:
+            pool.release(block_ids)
+
+    return release
+
+
+def lease_to_line(lease: Lease) -> str:
+    return json.dumps(dataclasses.asdict(lease))
+
+
+def lease_from_line(line: str) -> Lease:
+    fields = json.loads(line)
+    return Lease(**{**fields, "block_ids": tuple(fields["block_ids"])})
 
 
 def best_of(fn, repeats: int) -> float:
@@ -75,10 +96,10 @@ def run_sender(args: argparse.Namespace) -> None:
     )
     print(json.dumps({"event": "started"}), flush=True)
     for line in sys.stdin:
-        lease = wire.decode(bytes.fromhex(line.strip()), wire.LeaseReply).lease
+        lease = lease_from_line(line)
         with lock:
             src = pool.allocate(lease.num_blocks)[::-1]
-        res = sender.send(lease, src, first_token_id=0)
+        res = sender.send(lease, src)
         print(
             json.dumps({"event": "sent", "seconds": res.seconds, "nbytes": res.nbytes, "transport": res.transport}),
             flush=True,
@@ -120,13 +141,18 @@ class SenderProcess:
                     return ev
         raise RuntimeError(f"sender exited before {name!r} (rc={self.proc.wait()})")
 
-    def transfer(self, receiver: KVReceiver, reserver: PoolReserver, num_blocks: int) -> dict:
-        lease = receiver.open_lease("bench", num_blocks=num_blocks, ttl_s=600)
-        self.proc.stdin.write(wire.encode(wire.LeaseReply(lease)).hex() + "\n")
-        self.proc.stdin.flush()
-        ev = self.read("sent")
-        assert receiver.wait(lease.lease_id, 60).ok
-        reserver.release_committed("bench")
+    def transfer(self, receiver: KVReceiver, pool: BlockPool, num_blocks: int) -> dict:
+        blocks = pool.allocate(num_blocks)
+        assert blocks is not None
+        lease = receiver.open_lease("bench", blocks, ttl_s=600)
+        try:
+            self.proc.stdin.write(lease_to_line(lease) + "\n")
+            self.proc.stdin.flush()
+            ev = self.read("sent")
+            assert receiver.wait(lease.lease_id, 60).ok
+        finally:
+            receiver.abort(lease.lease_id)  # a no-op once completed; then the blocks are ours again
+            pool.release(blocks)
         return ev
 
     def close(self) -> None:
@@ -172,17 +198,15 @@ def main() -> None:
         device = "cuda:0" if transport == "nccl" else "cpu"
         dst_layout = bench_layout(num_blocks)
         pool = BlockPool(num_blocks)
-        reserver = PoolReserver(pool)
         receiver = KVReceiver(
             PagedKV(allocate_kv_cache(dst_layout, device)),
-            reserver,
             KVTransferConfig(transport=transport, lease_ttl_s=600),
         ).start()
         sender = SenderProcess(transport, num_blocks, args.threads)
         try:
-            sender.transfer(receiver, reserver, 2)  # warm-up: handshake, group setup
+            sender.transfer(receiver, pool, 2)  # warm-up: handshake, group setup
             for mb, n in sizes.items():
-                secs = min(sender.transfer(receiver, reserver, n)["seconds"] for _ in range(args.repeats))
+                secs = min(sender.transfer(receiver, pool, n)["seconds"] for _ in range(args.repeats))
                 rows.append((mb, transport, secs, ""))
         finally:
             sender.close()

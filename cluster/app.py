@@ -1,16 +1,25 @@
-"""``build_app(config)``: the Serve application graph.
+"""The composition root: ``build_app(config)``, the Serve application graph. The only module that imports
+``router/`` and the pool workers together.
 
-    Router (FastAPI ingress)  --handle-->  DecodeWorker pool  --handle-->  PrefillWorker pool
-            \\______________________ PoolBoard (latest ReplicaStats) ____________/
+    client --HTTP--> DecodeServer (decode pool; serves HTTP itself: OpenAIServer + DecodeWorker)
+                          --handle--> PrefillServer (prefill pool; absent when colocated)
+             PoolBoard: the latest ReplicaStats of every replica (health, /metrics, /admin/pools)
 
-Each pool is a deployment placed by Ray resources (``resources`` such as ``{"prefill": 1}``
-land it on that node type; ``num_gpus`` on GPUs), with its Serve request router (replica
-choice), its autoscaling policy when configured, and a graceful shutdown that drains running
+The replica that owns a request's stream serves its HTTP: the edge (``router.server``) runs in the
+decode replica's process next to the engine, so tokens reach the client with no hop between
+processes. With Serve's direct ingress (``shapeserve serve`` turns it on for one decode replica)
+clients connect to that replica's port; otherwise Serve's proxy forwards to the decode pool and
+its request router (``DecodeRequestRouter``) picks the replica.
+
+Each pool is a deployment placed by ``cluster.serving.placement`` (CPUs, GPUs, threads; custom
+``resources`` such as ``{"prefill": 1}`` land it on that node type), with its Serve request
+router, its autoscaling policy when configured, and a graceful shutdown that drains running
 requests before a replica goes. Peers are passed through ``.bind()`` handles only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -18,8 +27,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.serving.autoscaling import serve_autoscaling_config
-from cluster.serving.metrics import ReplicaStats
 from cluster.serving.config import PoolConfig, ServeConfig
+from cluster.serving.messages import PrefillResult, PrefillTask, ReplicaStats
+from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
+from decode_workers.replica import DecodeWorker
+from prefill_workers.replica import PrefillWorker
+from router.replica_choice import DecodeRequestRouter, PrefillRequestRouter
+from router.server import OpenAIServer
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "shapeserve"
 
@@ -43,20 +59,92 @@ class PoolBoard:
         return sorted(self._latest.values(), key=lambda s: (s.pool, s.replica_id))
 
 
-def cluster_has_gpus() -> bool:
-    """Whether pools default to one GPU per replica: the Ray cluster's GPUs if connected, else this host's."""
+def replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve  # noqa: BLE001
+        return "local"
+
+
+def node_ip() -> str:
+    """The address peers reach this node at; raises (no silent 127.0.0.1) when Ray cannot tell."""
+    import ray
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot find this node's IP address for the KV receiver ({e!r}); set kv_transfer_host in the config"
+        ) from e
+
+
+class PrefillServer:
+    """The prefill pool's deployment: a ``PrefillWorker`` and Serve's hooks."""
+
+    async def __init__(self, config: ServeConfig, model_dir: str, board, num_threads: int):
+        self.worker = await PrefillWorker.start(config, model_dir, board, replica_id(), num_threads)
+
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        return await self.worker.prefill(task)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.worker.routing_stats().as_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.worker.autoscaling_stats()
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def __del__(self):
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+
+@serve.ingress()
+class DecodeServer:
+    """The decode pool's deployment: a ``DecodeWorker`` and the HTTP edge in front of it, one process."""
+
+    async def __init__(self, config: ServeConfig, model_dir: str, prefill, board, num_threads: int):
+        kv_host = node_ip() if prefill is not None and config.kv_transfer_host is None else None
+        self.worker = await DecodeWorker.start(config, model_dir, prefill, board, replica_id(), num_threads, kv_host)
+        self.edge = OpenAIServer(config, model_dir, self.worker, board, disaggregated=prefill is not None)
+
+    def __serve_build_asgi_app__(self):
+        return self.edge.asgi_app()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.worker.routing_stats().as_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.worker.autoscaling_stats()
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def __del__(self):
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+
+def cluster_resources() -> tuple[float, float]:
+    """(CPUs, GPUs) of the connected Ray cluster; of this host when Ray is not initialized (building only)."""
+    import os
+
     import ray
 
     if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) > 0
+        res = ray.cluster_resources()
+        return float(res.get("CPU", 1)), float(res.get("GPU", 0))
     import torch
 
-    return torch.cuda.is_available()
+    return float(os.cpu_count() or 1), float(torch.cuda.device_count())
 
 
-def _pool_options(name: str, pool: PoolConfig, config: ServeConfig, router_cls: type) -> dict[str, Any]:
-    num_gpus = pool.num_gpus if pool.num_gpus is not None else (1.0 if cluster_has_gpus() else 0.0)
-    actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": num_gpus}
+def _pool_options(name: str, pool: PoolConfig, placed: PoolPlacement, config: ServeConfig, router_cls: type) -> dict[str, Any]:
+    actor: dict[str, Any] = {"num_cpus": placed.num_cpus, "num_gpus": placed.num_gpus}
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     opts: dict[str, Any] = {
@@ -76,52 +164,41 @@ def _pool_options(name: str, pool: PoolConfig, config: ServeConfig, router_cls: 
         "graceful_shutdown_timeout_s": config.timeouts.request_timeout_s,
     }
     if pool.autoscaling is not None:
-        opts["autoscaling_config"] = serve_autoscaling_config(
-            "prefill" if "Prefill" in name else "decode", pool.autoscaling
-        )
+        opts["autoscaling_config"] = serve_autoscaling_config("prefill" if "Prefill" in name else "decode", pool.autoscaling)
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts
 
 
-def build_app(config: ServeConfig, model_dir: str | None = None) -> serve.Application:
-    """The whole Serve graph for ``config``; ``model_dir`` overrides ``config.model`` (the demo model
-    is built into the cache dir when neither is given)."""
-    from decode_workers.replica import DecodeWorker
-    from prefill_workers.replica import PrefillWorker
-    from router.app import Router
-    from router.replica_choice import DecodeRequestRouter, PrefillRequestRouter
-
+def build_app(config: ServeConfig, model_dir: str | None = None, placement: Placement | None = None) -> serve.Application:
+    """The whole Serve graph for ``config``; ``model_dir`` overrides ``config.model`` (the demo model is built
+    into the cache dir when neither is given); ``placement`` defaults to ``place_pools`` on the cluster's
+    resources and is logged."""
     if model_dir is None:
         model_dir = config.model
     if model_dir is None:
         from cluster.tools.demo_model import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
+    if placement is None:
+        placement = place_pools(config, *cluster_resources())
+    log.info(describe(placement))
     board = (
         serve.deployment(PoolBoard)
         .options(name="PoolBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
         .bind(stale_after_s=max(3.0, 6 * config.routing_stats_period_s))
     )
-    prefill = (
-        serve.deployment(PrefillWorker)
-        .options(**_pool_options("PrefillWorker", config.prefill, config, PrefillRequestRouter))
-        .bind(config, model_dir, board)
-    )
-    decode = (
-        serve.deployment(DecodeWorker)
-        .options(**_pool_options("DecodeWorker", config.decode, config, DecodeRequestRouter))
-        .bind(config, model_dir, prefill, board)
-    )
-    return (
-        serve.deployment(Router)
-        .options(
-            name="Router",
-            num_replicas=config.router_replicas,
-            ray_actor_options={"num_cpus": 0},
-            max_ongoing_requests=10000,
+    prefill = None
+    if placement.prefill is not None:
+        prefill = (
+            serve.deployment(PrefillServer)
+            .options(**_pool_options("PrefillWorker", config.prefill, placement.prefill, config, PrefillRequestRouter))
+            .bind(config, model_dir, board, placement.prefill.num_threads)
         )
-        .bind(config, model_dir, decode, board)
+    return (
+        serve.deployment(DecodeServer)
+        .options(**_pool_options("DecodeWorker", config.decode, placement.decode, config, DecodeRequestRouter))
+        .bind(config, model_dir, prefill, board, placement.decode.num_threads)
     )
 
 

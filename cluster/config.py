@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,7 @@ class CacheConfig:
     block_size: int = 16
     #: Number of KV blocks in the pool. None: sized from ``kv_cache_memory_gb``.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 0.5
+    kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
 
 
@@ -146,9 +146,27 @@ class EngineConfig:
     attention_backend: str = "auto"
     #: Torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
-    seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def build(cls, model: str, **options: Any) -> EngineConfig:
+        """The one path from flags or a config file to an engine config: ``options`` name fields of this
+        class, ``CacheConfig`` or ``SchedulerConfig``; a None value keeps the dataclass default. Validated."""
+        groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
+        owners = {f.name: "cache" for f in fields(CacheConfig)} | {f.name: "scheduler" for f in fields(SchedulerConfig)}
+        own = {f.name for f in fields(cls)} - {"model", "cache", "scheduler"}
+        for name, value in options.items():
+            if name not in owners and name not in own:
+                raise ConfigError(f"unknown engine option {name!r}", name)
+            if value is not None:
+                groups[owners.get(name, "engine")][name] = value
+        return cls(
+            model=str(model),
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=SchedulerConfig(**groups["scheduler"]),
+            **groups["engine"],
+        ).validate()
 
     def validate(self) -> EngineConfig:
         if self.dtype not in DTYPES:

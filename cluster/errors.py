@@ -12,10 +12,12 @@ class ShapeserveError(Exception):
     #: OpenAI error ``type`` field.
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
+        #: OpenAI error ``code`` (e.g. "context_length_exceeded"), when there is a standard one.
+        self.code = code
 
 
 class InvalidRequestError(ShapeserveError):

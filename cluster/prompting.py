@@ -6,6 +6,8 @@ One place decides how text is tokenized and how a chat is rendered, so the serve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from cluster.errors import InvalidRequestError
 
 
@@ -50,6 +52,24 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt
     _check_unicode(text, "messages")
     # The template already spells out special tokens; do not add BOS twice.
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
+    """The rule every entry point applies to a tokenized prompt (the HTTP edge, run-batch, the engine itself):
+    not empty, every id in the vocabulary, and room for ``max_tokens`` in the context. Raises InvalidRequestError."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})", "prompt")
+    if n + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"this model's context is {max_model_len} tokens, but the prompt has {n} tokens and max_tokens is "
+            f"{max_tokens} ({n + max_tokens} in total); shorten the prompt or lower max_tokens",
+            "max_tokens" if n < max_model_len else "prompt",
+            "context_length_exceeded",
+        )
 
 
 def max_chars_per_token(tokenizer) -> int:

@@ -6,7 +6,8 @@ is rank 0, the sender rank 1. Every op runs in a daemon thread and the caller wa
 deadline: a frozen or dead peer turns into ``TransferTimeoutError``/``TransportError`` on time,
 the group is marked broken and dropped, and the stuck thread ends when the backend's own
 timeout (set at group creation) fires. Ops go through a staging tensor, never straight into
-the paged pool, so a late op can never write into blocks that were freed meanwhile.
+the paged pool, so a late op can never write into blocks whose lease has ended (and that the
+owner may have reused meanwhile).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ class KVTransferConfig:
     port: int = 0
     #: Host name peers use to reach this worker (defaults to ``host``).
     advertise_host: str | None = None
-    #: How long a lease may stay open before it expires and its blocks are freed on both sides.
+    #: How long a lease may stay open before it expires (the sender then releases its source blocks;
+    #: the receiver's owner sees EXPIRED and decides what to do with its own blocks).
     lease_ttl_s: float = 30.0
-    #: Deadline of every control call (handshake, open, complete, abort).
+    #: Deadline of every control call (handshake, join, complete, abort).
     rpc_timeout_s: float = 5.0
     #: Deadline for setting up a process group between two peers.
     connect_timeout_s: float = 10.0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 
 class KVTransferError(Exception):
-    """Base class: a transfer failed; its lease has ended (or never began) and its blocks are back."""
+    """Base class: a transfer failed; its lease has ended (or never began) and the sender's source blocks
+    are released. The receiver's blocks were never anyone's but its owner's."""
 
 
 class LayoutMismatchError(KVTransferError):

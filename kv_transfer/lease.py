@@ -1,14 +1,19 @@
 """Transfer leases: the only way KV blocks are promised to a transfer.
 
-A receiver reserves destination blocks for one request and hands out a ``Lease``. Each side
-keeps its own ``LeaseTable``; on each side a lease ends exactly once - COMPLETED, ABORTED or
-EXPIRED - and the table runs that side's ``on_end`` callback exactly once (the receiver frees
-or commits its blocks, the sender releases its source blocks). Ending is idempotent: a second
-abort, or an abort that races a completion, is a no-op that reports the first outcome.
+The receiver's caller (the decode side) reserves destination blocks in its own pool and asks
+the receiver for a ``Lease`` on them. Each side keeps its own ``LeaseTable``; on each side a
+lease ends exactly once - COMPLETED, ABORTED or EXPIRED - and the table runs that side's
+``on_end`` callback exactly once (the receiver only records the outcome and metrics: the
+blocks stay the caller's; the sender releases its source blocks). Ending is idempotent: a
+second abort, or an abort that races a completion, is a no-op that reports the first outcome.
 
 Writers (a chunk scattered into leased blocks, a gather from source blocks) hold the lease's
-lock through ``table.guard(lease_id)``, so a lease never ends - and its blocks are never
-freed - in the middle of a write, and nothing is written once it has ended.
+lock through ``table.guard(lease_id)``, so a lease never ends in the middle of a write and
+nothing is written once it has ended: when ``end`` returns, the blocks are the owner's again.
+
+Memory: an active lease lives in the table until it ends (the reaper expires it at its
+deadline at the latest); an ended one leaves only its ``LeaseOutcome`` in a bounded record of
+the last ``max_ended`` outcomes, so a late abort/complete/wait gets an answer.
 """
 
 from __future__ import annotations
@@ -70,7 +75,6 @@ class LeaseOutcome:
     request_id: str
     state: LeaseState
     reason: str = ""
-    first_token_id: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,15 +106,19 @@ class LeaseEntry:
 class LeaseTable:
     """Leases of one side, by id; a reaper thread expires the ones past their deadline."""
 
-    #: Ended leases remembered so a late abort/complete gets an answer, not "unknown".
+    #: Ended leases remembered so a late abort/complete/wait gets an answer, not "unknown". The only
+    #: record of ended leases; the oldest is dropped first.
     max_ended = 4096
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_ended: int | None = None):
         self._clock = clock
+        if max_ended is not None:
+            if max_ended < 1:
+                raise ValueError(f"max_ended must be >= 1, got {max_ended}")
+            self.max_ended = max_ended
         self._lock = threading.Lock()
         self._active: dict[str, LeaseEntry] = {}
         self._ended: OrderedDict[str, LeaseOutcome] = OrderedDict()
-        self._finished: list[LeaseOutcome] = []
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -132,49 +140,45 @@ class LeaseTable:
     # ---- state changes -----------------------------------------------------------------
 
     def add(self, lease: Lease, ttl_s: float, on_end: OnEnd) -> LeaseEntry:
+        """Starts tracking ``lease``; it ends at the latest ``ttl_s`` from now. LeaseEndedError after ``close``."""
         entry = LeaseEntry(lease, self._clock() + ttl_s, on_end, received=bytearray(lease.num_blocks))
         with self._lock:
+            if self._stop.is_set():  # nothing would expire it any more
+                raise LeaseEndedError(f"lease {lease.lease_id} refused: this side is shutting down")
             if lease.lease_id in self._active or lease.lease_id in self._ended:
                 raise ValueError(f"lease {lease.lease_id} is already in the table")
             self._active[lease.lease_id] = entry
         return entry
 
-    def end(
-        self, lease_id: str, state: LeaseState, reason: str = "", first_token_id: int | None = None
-    ) -> LeaseOutcome | None:
+    def end(self, lease_id: str, state: LeaseState, reason: str = "") -> LeaseOutcome | None:
         """Ends the lease with ``state`` and runs its ``on_end`` once. Idempotent: returns the outcome
         if this call ended it, None if it had already ended (or is unknown)."""
         entry = self.get(lease_id)
         if entry is None:
             return None
         with entry.lock:
-            return self.end_guarded(entry, state, reason, first_token_id)
+            return self.end_guarded(entry, state, reason)
 
-    def end_guarded(
-        self, entry: LeaseEntry, state: LeaseState, reason: str, first_token_id: int | None = None
-    ) -> LeaseOutcome | None:
+    def end_guarded(self, entry: LeaseEntry, state: LeaseState, reason: str = "") -> LeaseOutcome | None:
         """Like ``end`` for a caller inside ``guard(lease_id)`` (holding ``entry.lock``). The callback runs
-        under the lock: no write can interleave with a free."""
+        under the lock: no write can interleave with the end, and none follows it."""
         assert state.is_ended
         if entry.state.is_ended:
             return None
         lease = entry.lease
         entry.state = state
-        outcome = LeaseOutcome(lease.lease_id, lease.request_id, state, reason, first_token_id)
+        outcome = LeaseOutcome(lease.lease_id, lease.request_id, state, reason)
         try:
             entry.on_end(lease, outcome)
         except Exception as e:  # the lease has ended either way; a failing callback must not keep it alive
             log.exception("on_end of lease %s failed", lease.lease_id)
-            outcome = LeaseOutcome(
-                lease.lease_id, lease.request_id, state, f"{reason}; on_end failed: {e!r}", first_token_id
-            )
+            outcome = LeaseOutcome(lease.lease_id, lease.request_id, state, f"{reason}; on_end failed: {e!r}")
         entry.outcome = outcome
         with self._lock:
             self._active.pop(lease.lease_id, None)
             self._ended[lease.lease_id] = outcome
             while len(self._ended) > self.max_ended:
                 self._ended.popitem(last=False)
-            self._finished.append(outcome)
         entry.done.set()
         return outcome
 
@@ -225,12 +229,6 @@ class LeaseTable:
                 outcomes.append(out)
         return outcomes
 
-    def poll_finished(self) -> list[LeaseOutcome]:
-        """Outcomes of leases that ended since the last call (each reported once)."""
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
     def start_reaper(self, interval_s: float) -> None:
         if self._reaper is not None:
             return
@@ -245,7 +243,7 @@ class LeaseTable:
                 log.exception("lease reaper failed")
 
     def close(self, reason: str = "shutting down") -> None:
-        """Stops the reaper and aborts every active lease (their blocks are freed/released)."""
+        """Stops the reaper and aborts every active lease (each side's ``on_end`` runs for it)."""
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kv_transfer import wire
+from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import (
     ERRORS_BY_NAME,
     KVTransferError,
@@ -50,6 +51,11 @@ SERVER_KEEPALIVE = [
 ]
 
 
+def max_message_bytes(config: KVTransferConfig, bytes_per_block: int) -> int:
+    """Largest gRPC message either side accepts: one chunk of whole blocks plus headers."""
+    return max(config.grpc_chunk_bytes, bytes_per_block) + (1 << 20)
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -79,7 +85,7 @@ def _answer(call: Callable[[], Any], context: grpc.ServicerContext) -> Any:
         return call()
     except KVTransferError as e:
         context.abort(_STATUS.get(type(e), grpc.StatusCode.UNKNOWN), f"{type(e).__name__}: {e}")
-    except Exception as e:  # a bug or a failing reserver: the caller still gets a named error, the server lives
+    except Exception as e:  # a bug or a failing sink: the caller still gets a named error, the server lives
         log.exception("KV transfer handler failed")
         context.abort(grpc.StatusCode.INTERNAL, f"KVTransferError: receiver failed: {type(e).__name__}: {e}")
 

@@ -1,12 +1,24 @@
 """The sending side (prefill worker): pushes a request's KV blocks into a receiver's lease.
 
-    sender = KVSender(PagedKV(engine.kv_cache), engine_release(engine, lock), config)
-    result = sender.send(lease, engine.held_kv_blocks(rid)[lease.first_block:], first_token_id=tok)
+The decode side reserved the destination blocks and opened the lease (``KVReceiver.open_lease``);
+the prefill worker gets the lease with the request, computes the prompt's KV, and sends it::
+
+    def release(request_id, block_ids):           # runs once per send, on a kv_transfer thread
+        with lock:                                # the lock held around engine.step()
+            engine.release_kv(request_id)
+
+    sender = KVSender(PagedKV(engine.kv_cache), release, KVTransferConfig(transport="auto"))
+    engine.add_request(rid, prompt_token_ids, params_for_one_token, hold_kv_on_finish=True)  # step to the token
+    result = sender.send(lease, engine.held_kv_blocks(rid)[lease.first_block:])   # or .submit(...)
+    #   -> TransferResult, or raises KVTransferError within the lease deadline; released either way
+    #   -> then report success and the first token to the decode side in the worker's own result message
+    sender.abort(lease)                           # gave up before/while sending; idempotent, tells the receiver
 
 ``send`` handshakes once per receiver (layout check on both sides), picks the transport
 (config ``auto|nccl|gloo|grpc``), moves the blocks, completes the lease, and releases the
 source blocks exactly once - on success, failure, abort or expiry alike. It blocks until done,
 bounded by the lease deadline; run it from a worker thread (``submit``) to overlap transfers.
+The KV protocol carries blocks only: the first token travels in the caller's own messages.
 """
 
 from __future__ import annotations
@@ -32,9 +44,9 @@ from kv_transfer.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from kv_transfer.lease import Lease, LeaseOutcome, LeaseState, LeaseTable
+from kv_transfer.lease import Lease, LeaseState, LeaseTable
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.receiver import max_message_bytes
+from kv_transfer.rpc import max_message_bytes
 from kv_transfer.transports import TRANSPORTS, Peer, choose_transport, supported_transports
 
 log = logging.getLogger(__name__)
@@ -75,21 +87,7 @@ class KVSender:
 
     # ---- public API --------------------------------------------------------------------
 
-    def open_lease(
-        self,
-        receiver_addr: str,
-        request_id: str,
-        num_blocks: int,
-        prompt_token_ids: Sequence[int] = (),
-        ttl_s: float | None = None,
-    ) -> Lease | None:
-        """Asks a receiver to reserve blocks (sender-initiated flow); None if it has none free now."""
-        peer = self._peer(receiver_addr)
-        ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
-        msg = wire.OpenLeaseRequest(request_id, num_blocks, tuple(prompt_token_ids), ttl)
-        return peer.client.call("OpenLease", msg, wire.LeaseReply, self.config.rpc_timeout_s).lease
-
-    def send(self, lease: Lease, src_block_ids: Sequence[int], *, first_token_id: int | None = None) -> TransferResult:
+    def send(self, lease: Lease, src_block_ids: Sequence[int]) -> TransferResult:
         """Moves ``src_block_ids`` (this side) into ``lease.block_ids`` (receiver) and completes the lease.
         Releases the source blocks exactly once whatever happens. Raises KVTransferError within the lease
         deadline on any failure (the receiver's lease is aborted best-effort)."""
@@ -99,9 +97,14 @@ class KVSender:
         t0 = time.monotonic()
         ttl = lease.time_left()
         release = self.release
-        self.leases.add(
-            lease, max(ttl, 0.0), lambda lz, out: release(lz.request_id, src) if release is not None else None
-        )
+        try:
+            self.leases.add(
+                lease, max(ttl, 0.0), lambda lz, out: release(lz.request_id, src) if release is not None else None
+            )
+        except LeaseEndedError:  # this sender is closed: nothing will run the release for us
+            if release is not None:
+                release(lease.request_id, src)
+            raise
         transport = self.config.transport
         try:
             if ttl <= 0:
@@ -112,7 +115,7 @@ class KVSender:
             nbytes = self._impl(transport).send_blocks(peer, lease, self._gatherer(lease.lease_id, src), deadline)
             peer.client.call(
                 "CompleteLease",
-                wire.CompleteLease(lease.lease_id, first_token_id),
+                wire.CompleteLease(lease.lease_id),
                 wire.LeaseStatus,
                 min(self.config.rpc_timeout_s, deadline - time.monotonic()),
             )
@@ -127,11 +130,9 @@ class KVSender:
         self.metrics.record_transfer(transport, "sent", nbytes, seconds)
         return TransferResult(lease.lease_id, lease.request_id, transport, lease.num_blocks, nbytes, seconds)
 
-    def submit(
-        self, lease: Lease, src_block_ids: Sequence[int], *, first_token_id: int | None = None
-    ) -> futures.Future:
+    def submit(self, lease: Lease, src_block_ids: Sequence[int]) -> futures.Future:
         """``send`` on a worker thread; the future holds the TransferResult or the KVTransferError."""
-        return self._pool.submit(self.send, lease, src_block_ids, first_token_id=first_token_id)
+        return self._pool.submit(self.send, lease, src_block_ids)
 
     def abort(self, lease: Lease, reason: str = "aborted by the sender") -> bool:
         """Ends this side's lease (releases source blocks if a send holds them) and tells the receiver,
@@ -139,9 +140,6 @@ class KVSender:
         ended = self.leases.end(lease.lease_id, LeaseState.ABORTED, reason) is not None
         self._tell_abort(lease, reason)
         return ended
-
-    def poll_finished(self) -> list[LeaseOutcome]:
-        return self.leases.poll_finished()
 
     def close(self) -> None:
         """Aborts what is in flight (releasing source blocks), closes channels and groups. Idempotent."""

@@ -2,9 +2,10 @@
 
 A transport only moves bytes; leases, layout checks and completion are the same for all of
 them and live in ``KVSender``/``KVReceiver``. Each class is a handful of methods:
-``supported(device)``, ``send_blocks`` (sender), ``receive_blocks`` (receiver, called by the
-gRPC handler), ``close``. Blocks always move as whole-block tensors ``[L, 2, n, bs, H, D]``
-gathered from / scattered into the paged pool with one indexing op per chunk.
+``supported(device)``, ``send_blocks`` (sender), ``receive_blocks`` (receiver, called by a
+``ReceiverService`` handler; writes through the receiver's guarded ``BlockWriter`` methods),
+``close``. Blocks always move as whole-block tensors ``[L, 2, n, bs, H, D]`` gathered from /
+scattered into the paged pool with one indexing op per chunk.
 """
 
 from __future__ import annotations

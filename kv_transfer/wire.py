@@ -22,9 +22,9 @@ import torch
 from cluster.dtypes import dtype_name, torch_dtype
 from cluster.kv_layout import KVLayout
 from kv_transfer.errors import WireFormatError
-from kv_transfer.lease import Lease
 
-PROTOCOL_VERSION = 1
+#: 2: no OpenLease (leases are opened only by the receiver's owner), CompleteLease without a token.
+PROTOCOL_VERSION = 2
 
 T = TypeVar("T")
 
@@ -93,20 +93,6 @@ class HandshakeReply:
 
 
 @dataclass(frozen=True)
-class OpenLeaseRequest:
-    request_id: str
-    num_blocks: int
-    prompt_token_ids: tuple[int, ...]
-    ttl_s: float
-
-
-@dataclass(frozen=True)
-class LeaseReply:
-    #: None: the receiver has no free blocks for it now.
-    lease: Lease | None
-
-
-@dataclass(frozen=True)
 class BlockChunk:
     """Whole blocks ``[num_layers, 2, n, block_size, kv_heads, head_dim]`` for lease positions start..start+n."""
 
@@ -144,8 +130,9 @@ class CollectivePush:
 
 @dataclass(frozen=True)
 class CompleteLease:
+    """Every block was sent: the receiver completes the lease if it has them all (else aborts it)."""
+
     lease_id: str
-    first_token_id: int | None
 
 
 @dataclass(frozen=True)
@@ -165,8 +152,6 @@ class LeaseStatus:
 MESSAGES: dict[str, type] = {
     "handshake": Handshake,
     "handshake_reply": HandshakeReply,
-    "open_lease": OpenLeaseRequest,
-    "lease_reply": LeaseReply,
     "block_chunk": BlockChunk,
     "push_reply": PushReply,
     "join_group": JoinGroup,
@@ -177,7 +162,7 @@ MESSAGES: dict[str, type] = {
     "lease_status": LeaseStatus,
 }
 _TAGS = {cls: tag for tag, cls in MESSAGES.items()}
-_NESTED = (KVLayout, TensorPayload, Lease)
+_NESTED = (KVLayout, TensorPayload)
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in (*MESSAGES.values(), *_NESTED)}
 
 #: Largest message we unpack (one chunk plus headers); the gRPC layer bounds it too.

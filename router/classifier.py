@@ -12,17 +12,11 @@ admission state; its thresholds come from ``ClassifierConfig`` / ``AdmissionConf
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
 from cluster.serving.config import AdmissionConfig, ClassBudget, ClassifierConfig
-
-
-class Route(str, enum.Enum):
-    LOCAL = "local"
-    REMOTE = "remote"
-    REJECT = "reject"
+from cluster.serving.messages import Route
 
 
 @dataclass(frozen=True)

@@ -15,35 +15,37 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.serving.messages import DecodeRoutingStats, GenerateTask, PrefillRoutingStats, PrefillTask
+
+T = TypeVar("T")
 
 # ---- pure ranking ------------------------------------------------------------------------
 
 
-def rank_decode(stats: Sequence[dict[str, Any]], need_blocks: int) -> list[int]:
+def rank_decode(stats: Sequence[DecodeRoutingStats], need_blocks: int) -> list[int]:
     """Indices of ``stats`` best first. Unknown stats (a fresh replica) count as empty."""
 
     def key(i: int):
         s = stats[i]
-        free = s.get("kv_blocks_free", 1 << 30)
-        total = max(s.get("kv_blocks_total", 1), 1)
-        fits = free >= need_blocks
-        load = s.get("running", 0) + s.get("waiting", 0)
-        return (not fits, load, s.get("batch_tokens", 0), -(free - need_blocks) / total, i)
+        total = max(s.kv_blocks_total, 1)
+        fits = s.kv_blocks_free >= need_blocks
+        return (not fits, s.running + s.waiting, s.batch_tokens, -(s.kv_blocks_free - need_blocks) / total, i)
 
     return sorted(range(len(stats)), key=key)
 
 
 def rank_prefill(
-    stats: Sequence[dict[str, Any]], overlaps: Sequence[int], num_prompt_tokens: int, block_size: int
+    stats: Sequence[PrefillRoutingStats], overlaps: Sequence[int], num_prompt_tokens: int, block_size: int
 ) -> list[int]:
     """Indices best first by tokens to compute: queued prefill tokens + this prompt's uncached part."""
 
     def key(i: int):
         uncached = max(0, num_prompt_tokens - overlaps[i] * block_size)
-        return (stats[i].get("queued_prefill_tokens", 0) + uncached, -overlaps[i], i)
+        return (stats[i].queued_prefill_tokens + uncached, -overlaps[i], i)
 
     return sorted(range(len(stats)), key=key)
 
@@ -60,10 +62,12 @@ def prefix_overlap(known: OrderedDict | None, block_hashes: Sequence[bytes]) -> 
     return n
 
 
-def _task(pending_request: PendingRequest | None):
+def _task(pending_request: PendingRequest | None, kind: type[T]) -> T | None:
+    """The request's task when it is one of ``kind`` (HTTP requests forwarded by Serve's proxy are not)."""
     if pending_request is None or not pending_request.args:
         return None
-    return pending_request.args[0]
+    arg = pending_request.args[0]
+    return arg if isinstance(arg, kind) else None
 
 
 # ---- Serve request routers -----------------------------------------------------------------
@@ -76,11 +80,10 @@ class DecodeRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        task = _task(pending_request)
-        if task is None or not hasattr(task, "params"):
-            return [candidate_replicas]
-        need = -(-(len(task.prompt_token_ids) + task.params.max_tokens) // self.block_size)
-        order = rank_decode([r.routing_stats or {} for r in candidate_replicas], need)
+        # HTTP requests through Serve's proxy carry no task yet: rank by load alone.
+        task = _task(pending_request, GenerateTask)
+        need = -(-(len(task.prompt_token_ids) + task.params.max_tokens) // self.block_size) if task is not None else 1
+        order = rank_decode([DecodeRoutingStats.from_dict(r.routing_stats) for r in candidate_replicas], need)
         return [[candidate_replicas[i]] for i in order]
 
 
@@ -94,8 +97,8 @@ class PrefillRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        task = _task(pending_request)
-        if task is None or not hasattr(task, "block_hashes"):
+        task = _task(pending_request, PrefillTask)
+        if task is None:
             return [candidate_replicas]
         candidates = candidate_replicas
         if task.attempt > 0:
@@ -103,13 +106,13 @@ class PrefillRequestRouter(RequestRouter):
             fresh = [r for r in candidates if r.replica_id.unique_id not in tried]
             candidates = fresh or candidates
         overlaps = [prefix_overlap(self._known.get(r.replica_id.unique_id), task.block_hashes) for r in candidates]
-        stats = [r.routing_stats or {} for r in candidates]
+        stats = [PrefillRoutingStats.from_dict(r.routing_stats) for r in candidates]
         order = rank_prefill(stats, overlaps, len(task.prompt_token_ids), self.block_size)
         return [[candidates[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        task = _task(pending_request)
-        if task is None or not hasattr(task, "block_hashes"):
+        task = _task(pending_request, PrefillTask)
+        if task is None:
             return
         rid = replica_id.unique_id
         known = self._known.setdefault(rid, OrderedDict())

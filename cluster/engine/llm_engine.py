@@ -27,6 +27,7 @@ from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError
+from cluster.prompting import check_prompt
 from cluster.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,21 +99,8 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError if the request can never run here. Does not modify the engine."""
         params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but the model's context is {self.max_model_len}; "
-                "shorten the prompt (it must leave room for at least one generated token)",
-                "prompt",
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
-        longest = min(n + params.max_tokens, self.max_model_len)
-        blocks = -(-longest // self.kv_layout.block_size)
+        check_prompt(prompt_token_ids, params.max_tokens, self.model_config.vocab_size, self.max_model_len)
+        blocks = -(-(len(prompt_token_ids) + params.max_tokens) // self.kv_layout.block_size)
         if blocks > self.kv_layout.num_blocks:
             raise InvalidRequestError(
                 f"prompt + max_tokens needs {blocks} KV blocks but this worker's pool has "

@@ -2,8 +2,9 @@
 
 The engine is single-threaded, so every engine call goes through ``call(fn)``: the function
 is queued and runs on the engine thread between two steps (no locks around the engine).
-Each request's outputs come back on its own ``asyncio.Queue`` (registered when the request
-enters the engine), so a pool replica's handlers just ``await queue.get()``. Runs without Ray.
+A step's outputs cross to the event loop in ONE ``call_soon_threadsafe`` per step, whatever the
+number of requests in it; on the loop they are sorted into per-request ``OutputStream`` queues.
+The streams belong to the event loop alone (opened, fed and closed there). Runs without Ray.
 """
 
 from __future__ import annotations
@@ -13,20 +14,50 @@ import logging
 import queue
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.engine.request import RequestStatus
-from cluster.serving.metrics import BatchGeometry
+from cluster.serving.messages import BatchGeometry, EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped (shutdown or a failed step); requests on it cannot finish."""
+    """The engine thread stopped or failed under this request; it cannot finish."""
+
+
+class OutputStream:
+    """One request's outputs on the event loop, in order; ``get()`` raises what ended it abnormally."""
+
+    __slots__ = ("request_id", "_queue")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def get_ready(self) -> list[RequestOutput]:
+        """Outputs already here, without waiting (a consumer that fell behind writes them in one go).
+        Stops before an error, which the next ``get()`` raises."""
+        ready: list[RequestOutput] = []
+        while not self._queue.empty():
+            item = self._queue._queue[0]  # type: ignore[attr-defined]  # peek: leave an error for get()
+            if isinstance(item, BaseException):
+                break
+            ready.append(self._queue.get_nowait())  # type: ignore[arg-type]
+        return ready
 
 
 class AsyncEngine:
@@ -35,7 +66,8 @@ class AsyncEngine:
         self.idle_wait_s = idle_wait_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        #: Event-loop side only.
+        self._streams: dict[str, OutputStream] = {}
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -54,10 +86,6 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
-    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
@@ -65,50 +93,61 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread between two steps and returns its result."""
-        result, _ = await self._submit(fn, None)
-        return result
-
-    async def call_with_stream(self, fn: Callable[[LLMEngine], T], request_id: str) -> tuple[T, asyncio.Queue]:
-        """Like ``call``; if ``fn`` succeeds, ``request_id``'s outputs go to the returned queue from the
-        same engine-thread turn on (so none is missed, even if the request finishes at the next step)."""
-        return await self._submit(fn, request_id)
-
-    async def _submit(self, fn: Callable[[LLMEngine], T], stream_id: str | None) -> tuple[T, asyncio.Queue | None]:
         if not self.alive:
             raise EngineDead(f"engine is not running: {self._error!r}")
         fut: Future = Future()
-        q: asyncio.Queue | None = asyncio.Queue() if stream_id is not None else None
 
         def command() -> None:
             if fut.set_running_or_notify_cancel():
                 try:
-                    result = fn(self.engine)
+                    fut.set_result(fn(self.engine))
                 except BaseException as e:  # handed to the awaiting caller  # noqa: BLE001
                     fut.set_exception(e)
-                    return
-                if q is not None:
-                    self._streams[stream_id] = q
-                fut.set_result(result)
 
         self._commands.put(command)
-        return await asyncio.wrap_future(fut), q
+        return await asyncio.wrap_future(fut)
 
-    async def add_request(
-        self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False
-    ) -> asyncio.Queue:
-        _, q = await self.call_with_stream(
-            lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish), request_id
-        )
-        return q
+    def open_stream(self, request_id: str) -> OutputStream:
+        """Where ``request_id``'s outputs go, from the next step on. Open it before the request enters the
+        engine, so an output of the very next step is not missed; ``abort`` (or the last output) closes it."""
+        stream = self._streams[request_id] = OutputStream(request_id)
+        return stream
+
+    async def add_request(self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False) -> OutputStream:
+        stream = self.open_stream(request_id)
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
 
     def abort(self, request_id: str) -> None:
-        """Frees the request's blocks at the next engine turn. Idempotent; never blocks; safe after finish."""
+        """Closes the request's stream and frees its blocks at the next engine turn. Idempotent; never
+        blocks; safe after finish."""
+        self._streams.pop(request_id, None)
+        self._commands.put(lambda: self.engine.abort_request(request_id))
 
-        def command() -> None:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+    # ---- the event loop's side of a step ---------------------------------------------------
 
-        self._commands.put(command)
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        """One step's outputs, sorted into their streams (runs on the event loop, once per step)."""
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            stream.put(out)
+
+    def _fail_streams(self, request_ids: Sequence[str] | None, error: BaseException) -> None:
+        """Ends these streams (all when None) with ``error`` (event loop)."""
+        ids = list(self._streams) if request_ids is None else request_ids
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(error)
 
     # ---- the engine thread -----------------------------------------------------------------
 
@@ -125,19 +164,18 @@ class AsyncEngine:
         except BaseException as e:  # unrecoverable: fail every request instead of hanging them
             log.exception("engine loop failed")
             self._error = e
-            for q in self._streams.values():
-                self.loop.call_soon_threadsafe(q.put_nowait, EngineDead(f"engine step failed: {e!r}"))
-            self._streams.clear()
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._fail_streams, None, EngineDead(f"engine step failed: {e!r}"))
 
     def _recover(self, error: Exception) -> None:
         """Ends every request in the engine with an error (their state may be half-updated) and keeps the
-        loop going if the block pool is whole afterwards; raises ``error`` when it is not."""
+        loop going if the block pool is whole afterwards; raises when it is not."""
         log.exception("engine step failed; ending the %d requests in the engine", len(self.engine.requests))
-        for rid in list(self.engine.requests):
+        ids = list(self.engine.requests)
+        for rid in ids:
             self.engine.abort_request(rid)
-            q = self._streams.pop(rid, None)
-            if q is not None:
-                self.loop.call_soon_threadsafe(q.put_nowait, EngineDead(f"engine step failed: {error!r}"))
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._fail_streams, ids, EngineDead(f"engine step failed: {error!r}"))
         self.engine.block_pool.check_integrity()  # AssertionError: the pool is corrupt, the loop must end
 
     def _drain_commands(self, block: bool) -> None:
@@ -158,13 +196,9 @@ class AsyncEngine:
         outputs = e.step()
         self.num_steps += 1
         self.geometry = self._geometry(before)
-        for out in outputs:
-            q = self._streams.get(out.request_id)
-            if q is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            self.loop.call_soon_threadsafe(q.put_nowait, out)
+        if outputs:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _geometry(self, before: dict[str, tuple[int, int]]) -> BatchGeometry:
         e = self.engine
@@ -192,29 +226,28 @@ class AsyncEngine:
 
     # ---- stats (read from any thread; plain numbers, may be one step stale) ------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         e = self.engine
         sched = e.scheduler
         pool = e.block_pool
-        queued_prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in list(sched.waiting))
-        queued_prefill += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in list(sched.running))
-        return {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(sched.remote),
-            "waiting_for_remote_kv": len(sched.remote),
-            "held_kv_requests": sum(1 for r in list(e.requests.values()) if r.is_finished),
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used_blocks,
-            "kv_blocks_free": pool.num_free_blocks,
-            "kv_dtype": e.kv_layout.dtype,
-            "prefix_queries": pool.num_cache_queries,
-            "prefix_hits": pool.num_cache_hits,
-            "preemptions": sched.num_preemptions,
-            "steps": self.num_steps,
-            "queued_prefill_tokens": queued_prefill,
-            "active_requests": len(e.requests),
-            "geometry": self.geometry,
-        }
+        queued = list(sched.waiting) + list(sched.running)
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting) + len(sched.remote),
+            waiting_for_remote_kv=len(sched.remote),
+            held_kv_requests=sum(1 for r in list(e.requests.values()) if r.is_finished),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            kv_dtype=e.kv_layout.dtype,
+            prefix_queries=pool.num_cache_queries,
+            prefix_hits=pool.num_cache_hits,
+            preemptions=sched.num_preemptions,
+            steps=self.num_steps,
+            queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
+            active_requests=len(e.requests),
+            geometry=self.geometry,
+        )
 
     async def check_integrity(self) -> bool:
         def check(e: LLMEngine) -> bool:
@@ -225,10 +258,3 @@ class AsyncEngine:
                 return False
 
         return await self.call(check)
-
-
-async def next_output(q: asyncio.Queue) -> RequestOutput:
-    item = await q.get()
-    if isinstance(item, BaseException):
-        raise item
-    return item

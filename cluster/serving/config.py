@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from cluster.config import DTYPES, EngineConfig
 from cluster.errors import ConfigError
 
 
@@ -39,22 +39,26 @@ class AutoscalingThresholds(_Frozen):
 
 
 class PoolConfig(_Frozen):
-    """One pool (prefill or decode): its replicas, placement and engine budgets."""
+    """One pool (prefill or decode): its replicas, placement and engine budgets.
+
+    Engine knobs left unset take the engine's defaults (``cluster.config``), the same defaults the
+    CLI's engine flags have."""
 
     num_replicas: int = Field(1, ge=1)
     #: Custom Ray resources each replica needs, e.g. ``{"prefill": 1}`` to land on prefill nodes.
     resources: dict[str, float] = Field(default_factory=dict)
-    num_cpus: float = Field(1.0, ge=0)
+    #: CPUs each replica reserves; None: decided from the node (``cluster.serving.placement``).
+    num_cpus: float | None = Field(None, ge=0)
     #: GPUs per replica; None: one where the cluster has GPUs, none otherwise.
     num_gpus: float | None = Field(None, ge=0)
     #: Requests a replica accepts at once (Serve's ``max_ongoing_requests``).
     max_ongoing_requests: int = Field(256, ge=1)
     num_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(128, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
-    #: Torch threads per replica; None leaves torch's default.
+    #: Torch threads per replica; None: as many as the replica's CPUs.
     num_threads: int | None = Field(None, ge=1)
     autoscaling: AutoscalingThresholds | None = None
 
@@ -94,10 +98,17 @@ class TimeoutConfig(_Frozen):
     request_timeout_s: float = Field(300.0, gt=0)
     #: One prefill attempt on a prefill replica, including the KV push (the lease deadline).
     prefill_timeout_s: float = Field(30.0, gt=0)
+    #: A lease outlives its prefill attempt by this much, so the prefill side's deadline always ends first.
+    lease_margin_s: float = Field(2.0, gt=0)
     #: Attempts on prefill replicas before the decode replica prefills locally.
     max_prefill_attempts: int = Field(2, ge=1)
     #: Waiting for free KV blocks to reserve for a remote prefill before prefilling locally.
     reserve_timeout_s: float = Field(5.0, ge=0)
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """How long a KV transfer lease lives: one prefill attempt plus a margin."""
+        return self.prefill_timeout_s + self.lease_margin_s
 
 
 class SLOConfig(_Frozen):
@@ -119,16 +130,18 @@ class ServeConfig(_Frozen):
     enable_prefix_caching: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    router_replicas: int = Field(1, ge=1)
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig()
     classifier: ClassifierConfig = ClassifierConfig()
     admission: AdmissionConfig = AdmissionConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     slo: SLOConfig = SLOConfig()
-    #: KV data plane. auto/grpc/gloo/nccl: kv_transfer (leases + gRPC control plane; auto picks the
-    #: fastest both sides support). "ray": blocks ride back as a Ray object in the prefill result.
-    transport: Literal["auto", "ray", "grpc", "gloo", "nccl"] = "auto"
+    #: KV data plane of kv_transfer (leases + gRPC control plane); auto picks the fastest both sides support.
+    transport: Literal["auto", "grpc", "gloo", "nccl"] = "auto"
+    #: Separate prefill pool: "on", "off" (the decode replicas prefill everything themselves), or "auto":
+    #: off on a CPU cluster smaller than ``min_cpus_to_disaggregate`` (see ``cluster.serving.placement``).
+    disaggregation: Literal["auto", "on", "off"] = "auto"
+    min_cpus_to_disaggregate: int = Field(4, ge=1)
     #: Address the decode replicas' kv_transfer gRPC service binds to; None: the node's IP.
     kv_transfer_host: str | None = None
     #: How often replicas report routing stats to Serve's request routers.
@@ -170,27 +183,24 @@ class ServeConfig(_Frozen):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def engine_config(self, pool: Literal["prefill", "decode"], model_dir: str) -> EngineConfig:
-        """The engine config of one pool's replica (plain frozen dataclass, validated)."""
+    def engine_config(self, pool: Literal["prefill", "decode"], model_dir: str, num_threads: int | None = None) -> EngineConfig:
+        """The engine config of one pool's replica (plain frozen dataclass, validated). ``num_threads`` is the
+        placement's choice when the pool config leaves it unset."""
         p: PoolConfig = getattr(self, pool)
-        return EngineConfig(
-            model=model_dir,
+        return EngineConfig.build(
+            model_dir,
             dtype=self.dtype,
             device=self.resolved_device(),
             attention_backend=self.attention_backend,
-            num_threads=p.num_threads,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                num_blocks=p.num_blocks,
-                kv_cache_memory_gb=p.kv_cache_memory_gb,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=p.max_num_batched_tokens,
-                max_num_seqs=p.max_num_seqs,
-                long_prefill_token_threshold=p.long_prefill_token_threshold,
-            ),
-        ).validate()
+            num_threads=p.num_threads or num_threads,
+            block_size=self.block_size,
+            num_blocks=p.num_blocks,
+            kv_cache_memory_gb=p.kv_cache_memory_gb,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_num_batched_tokens=p.max_num_batched_tokens,
+            max_num_seqs=p.max_num_seqs,
+            long_prefill_token_threshold=p.long_prefill_token_threshold,
+        )
 
     def with_overrides(self, **kwargs) -> ServeConfig:
         """A copy with top-level fields replaced (None values are ignored), validated again."""

@@ -14,75 +14,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.serving.config import SLOConfig
+from cluster.serving.messages import ReplicaStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-@dataclass(frozen=True)
-class BatchGeometry:
-    """Shape of the running batch after one step (what the memory system sees)."""
-
-    num_seqs: int = 0
-    num_tokens: int = 0
-    #: Share of this step's tokens that were prompt (prefill) tokens.
-    prefill_fraction: float = 0.0
-    #: Coefficient of variation and max/min ratio of the running sequences' lengths.
-    length_cv: float = 0.0
-    max_min_ratio: float = 0.0
-    kv_footprint_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class ReplicaStats:
-    """One replica's state, reported periodically. Counters are cumulative since replica start."""
-
-    pool: str  # "prefill" | "decode"
-    replica_id: str
-    reported_at: float = field(default_factory=time.time)
-    healthy: bool = True
-    pid: int = 0
-    running: int = 0
-    waiting: int = 0
-    waiting_for_remote_kv: int = 0
-    held_kv_requests: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    kv_dtype: str = ""
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    preemptions: int = 0
-    steps: int = 0
-    queued_prefill_tokens: int = 0
-    active_requests: int = 0
-    geometry: BatchGeometry = BatchGeometry()
-    # transfers (decode side receives, prefill side sends)
-    transfers: int = 0
-    transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
-    transfer_failures: int = 0
-    #: Data plane of the last transfer ("ray", or kv_transfer's "gloo" / "grpc" / "nccl").
-    last_transport: str = ""
-    prefill_retries: int = 0
-    local_fallbacks: int = 0
-    #: Block pool ``check_integrity()`` at the last report (checked only for pools of <= 16384 blocks).
-    integrity_ok: bool | None = None
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["kv_usage"] = self.kv_usage
-        return d
 
 
 class PoolStatsCollector:
@@ -107,44 +48,44 @@ class PoolStatsCollector:
                 c.add_metric([s.pool, s.replica_id], float(get(s)))
             return c
 
-        yield gauge("pool_running_requests", "Requests running in the engine", lambda s: s.running)
+        yield gauge("pool_running_requests", "Requests running in the engine", lambda s: s.engine.running)
         yield gauge(
-            "pool_waiting_requests", "Requests waiting in the engine (incl. for remote KV)", lambda s: s.waiting
+            "pool_waiting_requests", "Requests waiting in the engine (incl. for remote KV)", lambda s: s.engine.waiting
         )
-        yield gauge("pool_kv_blocks_total", "KV blocks in the pool", lambda s: s.kv_blocks_total)
-        yield gauge("pool_kv_blocks_used", "KV blocks referenced by requests", lambda s: s.kv_blocks_used)
+        yield gauge("pool_kv_blocks_total", "KV blocks in the pool", lambda s: s.engine.kv_blocks_total)
+        yield gauge("pool_kv_blocks_used", "KV blocks referenced by requests", lambda s: s.engine.kv_blocks_used)
         yield gauge("pool_kv_usage", "Fraction of KV blocks in use", lambda s: s.kv_usage)
         yield gauge(
             "pool_prefix_cache_hit_rate",
             "Prefix-cache block hits / queries since start",
-            lambda s: s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
+            lambda s: s.engine.prefix_hits / s.engine.prefix_queries if s.engine.prefix_queries else 0.0,
         )
-        yield counter("pool_preemptions", "Requests preempted by recompute", lambda s: s.preemptions)
-        yield gauge("pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.queued_prefill_tokens)
-        yield gauge("batch_num_seqs", "Sequences in the last step", lambda s: s.geometry.num_seqs)
-        yield gauge("batch_num_tokens", "Tokens computed in the last step", lambda s: s.geometry.num_tokens)
+        yield counter("pool_preemptions", "Requests preempted by recompute", lambda s: s.engine.preemptions)
+        yield gauge("pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.engine.queued_prefill_tokens)
+        yield gauge("batch_num_seqs", "Sequences in the last step", lambda s: s.engine.geometry.num_seqs)
+        yield gauge("batch_num_tokens", "Tokens computed in the last step", lambda s: s.engine.geometry.num_tokens)
         yield gauge(
-            "batch_prefill_fraction", "Prompt share of the last step's tokens", lambda s: s.geometry.prefill_fraction
+            "batch_prefill_fraction", "Prompt share of the last step's tokens", lambda s: s.engine.geometry.prefill_fraction
         )
-        yield gauge("batch_length_cv", "Coefficient of variation of running lengths", lambda s: s.geometry.length_cv)
-        yield gauge("batch_max_min_ratio", "Longest / shortest running sequence", lambda s: s.geometry.max_min_ratio)
+        yield gauge("batch_length_cv", "Coefficient of variation of running lengths", lambda s: s.engine.geometry.length_cv)
+        yield gauge("batch_max_min_ratio", "Longest / shortest running sequence", lambda s: s.engine.geometry.max_min_ratio)
         yield gauge(
-            "batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.geometry.kv_footprint_bytes
+            "batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.engine.geometry.kv_footprint_bytes
         )
         fmt = GaugeMetricFamily(
             "shapeserve_pool_kv_format_info", "KV page format each replica serves", labels=[*labels, "dtype"]
         )
         for s in stats:
-            fmt.add_metric([s.pool, s.replica_id, s.kv_dtype], 1.0)
+            fmt.add_metric([s.pool, s.replica_id, s.engine.kv_dtype], 1.0)
         yield fmt
-        yield counter("kv_transfers", "KV transfers completed", lambda s: s.transfers)
-        yield counter("kv_transfer_bytes", "KV bytes moved between pools", lambda s: s.transfer_bytes)
-        yield counter("kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfer_seconds)
+        yield counter("kv_transfers", "KV transfers completed", lambda s: s.transfers.transfers)
+        yield counter("kv_transfer_bytes", "KV bytes moved between pools", lambda s: s.transfers.transfer_bytes)
+        yield counter("kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfers.transfer_seconds)
         yield counter(
-            "kv_transfer_failures", "Failed or timed-out KV transfers / prefills", lambda s: s.transfer_failures
+            "kv_transfer_failures", "Failed or timed-out KV transfers / prefills", lambda s: s.transfers.transfer_failures
         )
-        yield counter("prefill_retries", "Prefills retried on another replica", lambda s: s.prefill_retries)
-        yield counter("local_prefill_fallbacks", "Remote prefills that fell back to local", lambda s: s.local_fallbacks)
+        yield counter("prefill_retries", "Prefills retried on another replica", lambda s: s.transfers.prefill_retries)
+        yield counter("local_prefill_fallbacks", "Remote prefills that fell back to local", lambda s: s.transfers.local_fallbacks)
 
 
 @dataclass

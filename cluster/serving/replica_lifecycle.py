@@ -1,7 +1,4 @@
-"""What every pool replica does besides serving: report its stats, and stop cleanly.
-
-Both pools (prefill and decode) run these; only the KV-transfer endpoint they close differs.
-"""
+"""What every pool replica does besides serving: report its stats, and configure its KV endpoint."""
 
 from __future__ import annotations
 
@@ -10,32 +7,58 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from cluster.serving.async_engine import AsyncEngine
+from cluster.serving.config import ServeConfig
+from cluster.serving.messages import ReplicaStats
+from kv_transfer import KVTransferConfig
+
 log = logging.getLogger(__name__)
 
 #: Pools larger than this skip the periodic integrity check (it walks every block).
 MAX_BLOCKS_FOR_INTEGRITY_CHECK = 16384
 
 
-async def report_stats_forever(engine, board, stats: Callable[[], Any], on_integrity: Callable[[bool], None], period_s: float) -> None:
-    """Sends ``stats()`` to the pool board every ``period_s``; a board restart never stops the replica."""
-    while True:
-        try:
-            if engine.engine.kv_layout.num_blocks <= MAX_BLOCKS_FOR_INTEGRITY_CHECK:
-                on_integrity(await engine.check_integrity())
-            await board.report.remote(stats())
-        except Exception as e:  # noqa: BLE001
-            log.debug("stats report failed: %r", e)
-        await asyncio.sleep(period_s)
+class ReplicaReporter:
+    """Sends the replica's ``ReplicaStats`` to the pool board every ``period_s`` (with a block-pool
+    integrity check on small pools); a board restart never stops the replica."""
+
+    def __init__(self, engine: AsyncEngine, board: Any, stats: Callable[[], ReplicaStats], period_s: float):
+        self.engine = engine
+        self.board = board
+        self.stats = stats
+        self.period_s = period_s
+        self.integrity_ok: bool | None = None
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def start(cls, engine: AsyncEngine, board: Any, stats: Callable[[], ReplicaStats], period_s: float) -> ReplicaReporter:
+        reporter = cls(engine, board, stats, period_s)
+        reporter._task = asyncio.get_running_loop().create_task(reporter._run())
+        return reporter
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.engine.engine.kv_layout.num_blocks <= MAX_BLOCKS_FOR_INTEGRITY_CHECK:
+                    self.integrity_ok = await self.engine.check_integrity()
+                await self.board.report.remote(self.stats())
+            except Exception as e:  # noqa: BLE001
+                log.debug("stats report failed: %r", e)
+            await asyncio.sleep(self.period_s)
+
+    def stop(self) -> None:
+        """Idempotent; safe after the event loop closed."""
+        if self._task is not None and not self._task.done():
+            try:
+                self._task.cancel()
+            except RuntimeError:  # its loop is already closed
+                pass
 
 
-def stop_replica(reporter: asyncio.Task | None, transfer_endpoint, engine) -> None:
-    """Stops the stats reporter, the KV sender/receiver and the engine thread. Idempotent; any may be None."""
-    if reporter is not None and not reporter.done():
-        try:
-            reporter.cancel()
-        except RuntimeError:  # its loop is already closed
-            pass
-    if transfer_endpoint is not None:
-        transfer_endpoint.close()
-    if engine is not None:
-        engine.shutdown()
+def transfer_config(config: ServeConfig, host: str | None = None) -> KVTransferConfig:
+    """The kv_transfer configuration of a pool replica; the one place the lease TTL comes from."""
+    return KVTransferConfig(
+        transport=config.transport,
+        host=host or "127.0.0.1",
+        lease_ttl_s=config.timeouts.lease_ttl_s,
+    )

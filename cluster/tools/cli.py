@@ -1,4 +1,4 @@
-"""The ``shapeserve`` command: serve, run-batch, demo-model."""
+"""The ``shapeserve`` command: serve, run-batch, bench, demo-model."""
 
 from __future__ import annotations
 
@@ -11,38 +11,44 @@ from cluster.errors import ShapeserveError
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine flags; an unset one keeps the engine's default (``cluster.config``), as in a serve config."""
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto: triton on CUDA, torch on CPU")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {CacheConfig.block_size})")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory-gb)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="KV pool size when --num-blocks is not given")
+    p.add_argument(
+        "--kv-cache-memory-gb", type=float, default=None, help=f"KV pool size (default {CacheConfig.kv_cache_memory_gb})"
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"token budget per engine step (default {SchedulerConfig.max_num_batched_tokens})",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help=f"most requests running at once (default {SchedulerConfig.max_num_seqs})"
+    )
     p.add_argument("--long-prefill-token-threshold", type=int, default=None, help="largest prompt chunk per step")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=str(args.model),
+    return EngineConfig.build(
+        str(args.model),
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
         num_threads=args.threads,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-        ),
-    ).validate()
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
@@ -97,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--served-model-name", default=None)
     add_engine_arguments(rb)
     rb.set_defaults(func=_cmd_run_batch)
+
+    bench = sub.add_parser(
+        "bench",
+        help="load an OpenAI-compatible server with a workload and report latency and throughput",
+        description="Sends a workload (../shared/workloads format) to any OpenAI-compatible base URL.",
+    )
+    from cluster.tools import loadgen
+
+    loadgen.add_arguments(bench)
+    bench.set_defaults(func=loadgen.run)
 
     dm = sub.add_parser("demo-model", help="write a small random-weight Llama with a tokenizer")
     dm.add_argument("dir")

@@ -1,8 +1,10 @@
-"""``shapeserve serve``: the serving cluster on a local, in-process Ray (or an existing cluster).
+"""``shapeserve serve``: the serving cluster on its own local Ray (or on a running cluster with ``--address``).
 
-By default: one prefill and one decode replica plus the router on CPU, serving the built-in
-demo model (built into the cache dir on first use). Prints the URL once ``/health`` answers
-200; Ctrl-C (or SIGTERM) shuts Serve and Ray down cleanly.
+By default: the built-in demo model on CPU, pools placed by ``cluster.serving.placement`` (on a small
+node one decode replica prefills and decodes with all the cores). The decode replica serves HTTP on
+``--port`` itself (Serve's direct ingress: no proxy hop), when there is one decode replica and Ray is
+started here; otherwise Serve's proxy serves the port. Prints the URL once ``/health`` answers 200;
+Ctrl-C (or SIGTERM) removes the application (and stops the Ray this command started).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
     parser.add_argument("--config", default=None, help="ServeConfig YAML (pools, classifier, admission, timeouts)")
-    parser.add_argument("--address", default=None, help="connect to a running Ray cluster instead of starting one")
+    parser.add_argument("--address", default=None, help="deploy on a running Ray cluster instead of starting one")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for both pools")
 
 
@@ -39,8 +42,36 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     return False
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Serve settings that make the decode replica serve ``port`` itself (one replica, one node)."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive bound
+        # No load balancer in front to drain or to route stale slots: a restarted replica takes the port
+        # back at once, and Ctrl-C does not wait out a drain period.
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,39 +92,53 @@ def run(args: argparse.Namespace) -> int:
     except ShapeserveError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
+    if not port_is_free(config.host, config.port):
+        print(f"error: {config.host}:{config.port} is already in use; pass another --port", file=sys.stderr)
+        return 2
 
     import ray
     from ray import serve
 
-    from cluster.app import APP_NAME, build_app
+    from cluster.app import APP_NAME, build_app, cluster_resources
+    from cluster.serving.placement import describe, place_pools
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    started_ray = False
+    own_ray = not args.address
+    direct = own_ray and config.decode.num_replicas == 1 and config.decode.autoscaling is None
+    proxy_port = free_port(config.host) if direct else config.port
+    if direct:
+        os.environ.update(direct_ingress_env(config.port))  # read by the Serve processes Ray starts below
+    deployed = False
     try:
-        if not ray.is_initialized():
-            if args.address:
-                ray.init(address=args.address)
-            else:
-                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-                if config.kv_transfer_host is None:  # one machine: keep KV transfer off the network
-                    config = config.with_overrides(kv_transfer_host="127.0.0.1")
-            started_ray = True
-        serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(build_app(config, model_dir), name=APP_NAME, route_prefix="/", blocking=False)
+        if own_ray:
+            # address="local": always a Ray of our own, never someone else's running cluster.
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+            if config.kv_transfer_host is None:  # one machine: keep KV transfer off the network
+                config = config.with_overrides(kv_transfer_host="127.0.0.1")
+        else:
+            ray.init(address=args.address, log_to_driver=False)
+        placement = place_pools(config, *cluster_resources())
+        print(describe(placement), flush=True)
+        serve.start(http_options={"host": config.host, "port": proxy_port})
+        serve.run(build_app(config, model_dir, placement), name=APP_NAME, route_prefix="/", blocking=False)
+        deployed = True
         url = f"http://{config.host}:{config.port}"
         if not _wait_ready(url, args.ready_timeout):
             print(f"error: the pools did not become healthy within {args.ready_timeout:.0f} s", file=sys.stderr)
             return 1
-        print(f"shapeserve is serving {config.model_name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
+        how = "the decode replica serves it directly" if direct else "through Serve's proxy"
+        print(f"shapeserve is serving {config.model_name!r} at {url}/v1 ({how}; Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             pass
         print("shutting down", flush=True)
         return 0
     finally:
         try:
-            serve.shutdown()
+            if own_ray:
+                serve.shutdown()
+            elif deployed:
+                serve.delete(APP_NAME)  # someone else's cluster: remove only our application
         finally:
-            if started_ray:
-                ray.shutdown()
+            ray.shutdown()

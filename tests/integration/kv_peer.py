@@ -1,6 +1,6 @@
 """One side of a KV transfer in its own process, driven by the multi-process tests and the bench.
 
-    python tests/integration/kv_peer.py sender   --transport gloo --seed 3 [--stall-after N]   (lease hex on stdin)
+    python tests/integration/kv_peer.py sender   --transport gloo --seed 3 [--stall-after N]   (lease JSON on stdin)
     python tests/integration/kv_peer.py receiver --transport grpc --blocks 16 --ttl 2
 
 It prints one JSON object per line on stdout (``{"event": ...}``); the parent reads them with
@@ -10,6 +10,7 @@ It prints one JSON object per line on stdout (``{"event": ...}``); the parent re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,10 +33,9 @@ from kv_transfer import (  # noqa: E402
     KVSender,
     KVTransferConfig,
     KVTransferError,
+    Lease,
     PagedKV,
-    PoolReserver,
-    pool_release,
-    wire,
+    Release,
 )
 
 #: [layers, 2, num_blocks, block_size, kv_heads, head_dim]: 1 KiB per float32 block.
@@ -62,6 +63,26 @@ def peer_config(transport: str, ttl: float) -> KVTransferConfig:
     )
 
 
+def pool_release(pool: BlockPool, lock: threading.Lock) -> Release:
+    """Sender-side release over a bare pool: drops the reference the sender held for the transfer."""
+
+    def release(request_id: str, block_ids: Sequence[int]) -> None:
+        with lock:
+            pool.release(block_ids)
+
+    return release
+
+
+def lease_to_line(lease: Lease) -> str:
+    """A lease as one JSON line (between processes; the serving layer pickles it through Ray instead)."""
+    return json.dumps(dataclasses.asdict(lease))
+
+
+def lease_from_line(line: str) -> Lease:
+    fields = json.loads(line)
+    return Lease(**{**fields, "block_ids": tuple(fields["block_ids"])})
+
+
 def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
@@ -85,13 +106,13 @@ def run_sender(args: argparse.Namespace) -> None:
     kv = make_kv(args.seed, args.dtype)
     pool, lock = BlockPool(kv.shape[2]), threading.Lock()
     emit(event="started")  # the parent opens the lease now: its deadline must not cover our start-up
-    lease = wire.decode(bytes.fromhex(sys.stdin.readline().strip()), wire.LeaseReply).lease
+    lease = lease_from_line(sys.stdin.readline())
     src = pool.allocate(lease.num_blocks)[::-1]  # reversed: never the receiver's ids in the same order
     source = PagedKV(kv) if args.stall_after < 0 else StallingSource(PagedKV(kv), args.stall_after)
     sender = KVSender(source, pool_release(pool, lock), peer_config(args.transport, args.ttl))
     emit(event="ready", src=src)
     try:
-        res = sender.send(lease, src, first_token_id=7)
+        res = sender.send(lease, src)
         emit(event="sent", transport=res.transport, nbytes=res.nbytes, seconds=res.seconds)
     except KVTransferError as e:
         emit(event="error", error=type(e).__name__, message=str(e))
@@ -103,11 +124,14 @@ def run_sender(args: argparse.Namespace) -> None:
 def run_receiver(args: argparse.Namespace) -> None:
     kv = make_kv(None, args.dtype)
     pool = BlockPool(kv.shape[2])
-    receiver = KVReceiver(PagedKV(kv), PoolReserver(pool), peer_config(args.transport, args.ttl)).start()
-    lease = receiver.open_lease("req-child", num_blocks=args.blocks)
-    emit(event="lease", lease=wire.encode(wire.LeaseReply(lease)).hex())
+    receiver = KVReceiver(PagedKV(kv), peer_config(args.transport, args.ttl)).start()
+    blocks = pool.allocate(args.blocks)  # this side owns its blocks: reserve, then lease
+    lease = receiver.open_lease("req-child", blocks)
+    emit(event="lease", lease=lease_to_line(lease))
     out = receiver.wait(lease.lease_id, args.ttl + 30)
     emit(event="outcome", state=out.state.name, reason=out.reason)
+    receiver.abort(lease.lease_id)  # a no-op once ended; then the blocks are ours again
+    pool.release(blocks)
     receiver.close()
 
 
@@ -153,7 +177,7 @@ class Peer:
 
     def send_lease(self, lease) -> None:
         """Hands the lease to a sender peer (after its "started" event)."""
-        self.proc.stdin.write(wire.encode(wire.LeaseReply(lease)).hex() + "\n")
+        self.proc.stdin.write(lease_to_line(lease) + "\n")
         self.proc.stdin.flush()
 
     def expect(self, name: str, timeout: float = 30.0) -> dict:

@@ -2,7 +2,8 @@
 
 The test process is one side, ``kv_peer.py`` in a subprocess the other. In every fault case
 the survivor reports a clear error within the lease deadline, every block of its pool is back
-(``check_integrity`` and all free), and it runs another transfer afterwards.
+(``check_integrity`` and all free; on the receiving side once the test, the blocks' owner, has
+ended the lease and released them), and it runs another transfer afterwards.
 """
 
 from __future__ import annotations
@@ -16,17 +17,8 @@ import pytest
 import torch
 
 from cluster.engine.block_pool import BlockPool
-from kv_transfer import (
-    KVReceiver,
-    KVSender,
-    KVTransferError,
-    LeaseState,
-    PagedKV,
-    PoolReserver,
-    pool_release,
-    wire,
-)
-from tests.integration.kv_peer import Peer, make_kv, peer_config
+from kv_transfer import KVReceiver, KVSender, KVTransferError, Lease, LeaseState, PagedKV
+from tests.integration.kv_peer import Peer, lease_from_line, make_kv, peer_config, pool_release
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -40,6 +32,19 @@ class Pool:
         self.kv = kv
         self.pool = BlockPool(kv.shape[2])
         self.lock = threading.Lock()
+
+    def open_lease(self, receiver: KVReceiver, request_id: str, n: int) -> Lease:
+        """Reserves ``n`` blocks here (the test owns them) and leases them to a transfer."""
+        with self.lock:
+            ids = self.pool.allocate(n)
+        assert ids is not None
+        return receiver.open_lease(request_id, ids)
+
+    def end(self, receiver: KVReceiver, lease: Lease) -> None:
+        """The owner's exit: end the lease (a no-op once it ended), then take the blocks back."""
+        receiver.abort(lease.lease_id, "owner is done with the blocks")
+        with self.lock:
+            self.pool.release(lease.block_ids)
 
     def assert_all_back(self) -> None:
         with self.lock:
@@ -56,23 +61,22 @@ def fragmented_receiver(transport: str, dtype: str = "float32", ttl: float = TTL
         scattered = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
         dst.pool.release(scattered[: len(ids) // 2])
         filler = scattered[len(ids) // 2 :]
-    reserver = PoolReserver(dst.pool, dst.lock)
-    receiver = KVReceiver(PagedKV(dst.kv), reserver, peer_config(transport, ttl)).start()
-    return receiver, reserver, dst, filler
+    receiver = KVReceiver(PagedKV(dst.kv), peer_config(transport, ttl)).start()
+    return receiver, dst, filler
 
 
-def local_transfer_to(receiver: KVReceiver, transport: str, dtype: str = "float32") -> None:
+def local_transfer_to(receiver: KVReceiver, dst: Pool, transport: str, dtype: str = "float32") -> None:
     """The survivor runs another transfer (a fresh in-process sender)."""
     src = Pool(make_kv(11, dtype))
     sender = KVSender(PagedKV(src.kv), pool_release(src.pool, src.lock), peer_config(transport, TTL))
     try:
-        lease = receiver.open_lease("after", num_blocks=5)
+        lease = dst.open_lease(receiver, "after", 5)
         with src.lock:
             ids = src.pool.allocate(5)
-        sender.send(lease, ids, first_token_id=1)
+        sender.send(lease, ids)
         assert receiver.wait(lease.lease_id, 2).ok
         assert torch.equal(receiver.sink.kv[:, :, list(lease.block_ids)], src.kv[:, :, ids])
-        receiver.reserver.release_committed("after")
+        dst.end(receiver, lease)
         src.assert_all_back()
     finally:
         sender.close()
@@ -80,19 +84,19 @@ def local_transfer_to(receiver: KVReceiver, transport: str, dtype: str = "float3
 
 @pytest.mark.parametrize("transport, dtype", [("gloo", "bfloat16"), ("grpc", "float32")])
 def test_round_trip_between_processes_is_bit_exact(transport, dtype):
-    receiver, reserver, dst, filler = fragmented_receiver(transport, dtype, ttl=20.0)
-    peer = None
+    receiver, dst, filler = fragmented_receiver(transport, dtype, ttl=20.0)
+    peer = lease = None
     try:
         peer = Peer("sender", "--transport", transport, "--dtype", dtype, "--seed", "3", "--ttl", "20")
         peer.expect("started")
-        lease = receiver.open_lease("req-1", num_blocks=20)
+        lease = dst.open_lease(receiver, "req-1", 20)
         peer.send_lease(lease)
         src_ids = peer.expect("ready")["src"]
         sent = peer.expect("sent")
         assert sent["transport"] == transport
         assert peer.expect("done")["free"] == dst.pool.num_blocks  # the sender released every block
         out = receiver.wait(lease.lease_id, 5)
-        assert out.ok and out.first_token_id == 7
+        assert out.ok and receiver.outcome(lease.lease_id).state == LeaseState.COMPLETED
         assert sorted(src_ids) != sorted(lease.block_ids) or src_ids != list(lease.block_ids)
         expected = make_kv(3, dtype)[:, :, src_ids]
         assert torch.equal(dst.kv[:, :, list(lease.block_ids)], expected)
@@ -101,7 +105,8 @@ def test_round_trip_between_processes_is_bit_exact(transport, dtype):
     finally:
         if peer:
             peer.kill()
-        reserver.release_committed("req-1")
+        if lease is not None:
+            dst.end(receiver, lease)
         with dst.lock:
             dst.pool.release(filler)
         receiver.close()
@@ -111,12 +116,12 @@ def test_round_trip_between_processes_is_bit_exact(transport, dtype):
 @pytest.mark.parametrize("transport", ["gloo", "grpc"])
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_sender_killed_or_frozen_mid_transfer(transport, fault):
-    receiver, reserver, dst, filler = fragmented_receiver(transport)
+    receiver, dst, filler = fragmented_receiver(transport)
     peer = None
     try:
         peer = Peer("sender", "--transport", transport, "--seed", "3", "--ttl", str(TTL), "--stall-after", "1")
         peer.expect("started")
-        lease = receiver.open_lease("req-1", num_blocks=16)
+        lease = dst.open_lease(receiver, "req-1", 16)
         peer.send_lease(lease)
         peer.expect("stalled", timeout=30)
         end = time.monotonic() + 5
@@ -132,10 +137,12 @@ def test_sender_killed_or_frozen_mid_transfer(transport, fault):
         assert waited <= TTL + SLACK
         if fault == "SIGKILL":  # a dead peer's closed connection is noticed at once, not at the deadline
             assert out.state == LeaseState.ABORTED and waited < TTL, out
+        assert receiver.abort(lease.lease_id) is False  # it has ended: no late write can land now
+        dst.end(receiver, lease)
         with dst.lock:
             dst.pool.release(filler)
         dst.assert_all_back()
-        local_transfer_to(receiver, transport)  # the survivor goes on
+        local_transfer_to(receiver, dst, transport)  # the survivor goes on
     finally:
         if peer:
             if fault == "SIGSTOP":
@@ -169,14 +176,14 @@ def test_receiver_killed_mid_transfer(transport):
     sender = KVSender(source, pool_release(src.pool, src.lock), peer_config(transport, TTL))
     peer = Peer("receiver", "--transport", transport, "--blocks", "16", "--ttl", str(TTL))
     try:
-        lease = wire.decode(bytes.fromhex(peer.expect("lease")["lease"]), wire.LeaseReply).lease
+        lease = lease_from_line(peer.expect("lease")["lease"])
         with src.lock:
             ids = src.pool.allocate(16)
         killer = threading.Thread(target=lambda: source.first_sent.wait(10) and peer.kill())
         killer.start()
         t0 = time.monotonic()
         with pytest.raises(KVTransferError) as info:
-            sender.send(lease, ids, first_token_id=1)
+            sender.send(lease, ids)
         waited = time.monotonic() - t0
         killer.join()
         print(f"{transport} receiver killed: sender raised after {waited:.2f}s: {info.value!r}")
@@ -186,15 +193,14 @@ def test_receiver_killed_mid_transfer(transport):
         src.assert_all_back()
         # the survivor goes on: send to a fresh receiver in this process
         dst = Pool(make_kv(None))
-        reserver = PoolReserver(dst.pool, dst.lock)
-        with KVReceiver(PagedKV(dst.kv), reserver, peer_config(transport, TTL)).start() as receiver:
-            lease2 = receiver.open_lease("after", num_blocks=3)
+        with KVReceiver(PagedKV(dst.kv), peer_config(transport, TTL)).start() as receiver:
+            lease2 = dst.open_lease(receiver, "after", 3)
             with src.lock:
                 ids2 = src.pool.allocate(3)
             source.gathers = -100  # no more slowness
-            sender.send(lease2, ids2, first_token_id=1)
+            sender.send(lease2, ids2)
             assert torch.equal(dst.kv[:, :, list(lease2.block_ids)], src.kv[:, :, ids2])
-            reserver.release_committed("after")
+            dst.end(receiver, lease2)
         src.assert_all_back()
         dst.assert_all_back()
     finally:

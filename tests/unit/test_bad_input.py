@@ -38,7 +38,7 @@ def engine(demo_model):
 @pytest.mark.parametrize(
     "prompt_len, params, match",
     [
-        (2000, SamplingParams(), "prompt has 2000 tokens but the model's context is 1024"),
+        (2000, SamplingParams(), "context is 1024 tokens, but the prompt has 2000 tokens"),
         (4, SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
         (4, SamplingParams(max_tokens=-3), "max_tokens must be a positive integer"),
         (4, SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from cluster.serving.async_engine import AsyncEngine, EngineDead, next_output
+from cluster.serving.async_engine import AsyncEngine, EngineDead
 from cluster.config import SamplingParams
 from cluster.engine import model_runner
 from cluster.engine.llm_engine import LLMEngine
@@ -98,11 +98,11 @@ def test_async_engine_survives_a_step_failure_it_cannot_pin_on_one_request(engin
             q = await ae.add_request("victim", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
             with pytest.raises(EngineDead, match="scheduler bug"):
                 while True:
-                    await next_output(q)
+                    await q.get()
             assert ae.alive
             q2 = await ae.add_request("after", [5, 6, 7], GREEDY)
             n = 0
-            while not (out := await next_output(q2)).finished:
+            while not (out := await q2.get()).finished:
                 n += 1
             assert n + 1 == 8 and out.error is None
             assert await ae.check_integrity()

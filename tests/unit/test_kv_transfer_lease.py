@@ -1,4 +1,4 @@
-"""Lease table: each lease ends exactly once, its callback runs once, expiry, guards, races."""
+"""Lease table: each lease ends exactly once, its callback runs once, expiry, guards, races, bounded memory."""
 
 from __future__ import annotations
 
@@ -34,8 +34,6 @@ def test_end_runs_callback_once_and_is_idempotent():
     assert table.end("never-opened", LeaseState.ABORTED) is None
     assert calls == [LeaseState.ABORTED]
     assert table.outcome("lease-0") == first and len(table) == 0
-    assert [o.lease_id for o in table.poll_finished()] == ["lease-0"]
-    assert table.poll_finished() == []
 
 
 def test_reap_expires_only_leases_past_deadline():
@@ -140,3 +138,36 @@ def test_close_aborts_active_leases_and_failing_callback_still_ends():
     table.close("shutdown")
     out = table.outcome("lease-0")
     assert out.state == LeaseState.ABORTED and "pool gone" in out.reason
+
+
+def test_table_keeps_no_record_of_ended_leases_beyond_max_ended():
+    """Completed, aborted and expired leases leave only their outcome, and only the last ``max_ended``."""
+    clock = FakeClock()
+    table = LeaseTable(clock=clock, max_ended=8)
+    ends = []
+    for i in range(300):
+        table.add(make_lease(i), 1.0 if i % 3 == 2 else 60.0, lambda lease, out: ends.append(out.state))
+        if i % 3 == 0:
+            with table.guard(f"lease-{i}") as entry:
+                table.end_guarded(entry, LeaseState.COMPLETED)
+        elif i % 3 == 1:
+            assert table.end(f"lease-{i}", LeaseState.ABORTED, "client gone") is not None
+        if i % 30 == 29:
+            clock.now += 2.0
+            assert len(table.reap()) == 10
+    assert len(ends) == 300 and len(table) == 0
+    assert not table._active and len(table._ended) == 8
+    assert not hasattr(table, "_finished") and not hasattr(table, "poll_finished")
+    assert table.outcome("lease-299").state == LeaseState.EXPIRED  # the most recent are remembered
+    assert table.outcome("lease-0") is None  # the oldest are forgotten ...
+    assert table.end("lease-0", LeaseState.ABORTED) is None  # ... and a late abort is still a no-op
+    with pytest.raises(LeaseEndedError, match="unknown"):
+        table.wait("lease-0", 0)
+
+
+def test_no_lease_is_added_after_close():
+    table = LeaseTable()
+    table.close()
+    with pytest.raises(LeaseEndedError, match="shutting down"):
+        table.add(make_lease(), 10, lambda lease, out: None)
+    assert len(table) == 0

@@ -9,10 +9,8 @@ import torch
 from cluster.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.errors import WireFormatError
-from kv_transfer.lease import Lease
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16", num_blocks=16)
-LEASE = Lease("l1", "req-1", (5, 2, 9), 1, 1234.5, "127.0.0.1:5000", "recv-1")
 
 
 def _payload(dtype=torch.bfloat16) -> wire.TensorPayload:
@@ -22,16 +20,12 @@ def _payload(dtype=torch.bfloat16) -> wire.TensorPayload:
 MESSAGES = [
     wire.Handshake("s1", LAYOUT, ("gloo", "grpc")),
     wire.HandshakeReply("r1", LAYOUT, ("grpc",), ""),
-    wire.OpenLeaseRequest("req-1", 3, (1, 2, 3), 2.5),
-    wire.LeaseReply(LEASE),
-    wire.LeaseReply(None),
     wire.BlockChunk("l1", 0, _payload()),
     wire.PushReply("l1", 3),
     wire.JoinGroup("p1", "gloo", "s1"),
     wire.JoinGroupReply("p1"),
     wire.CollectivePush("l1", "p1", (2, 1)),
-    wire.CompleteLease("l1", 42),
-    wire.CompleteLease("l1", None),
+    wire.CompleteLease("l1"),
     wire.AbortLease("l1", "client went away"),
     wire.LeaseStatus("l1", "ABORTED", "why"),
 ]
@@ -71,8 +65,11 @@ def _chunk_fields(**over):
         (wire.encode(wire.PushReply("l1", 3))[:-2], "truncated"),
         (wire.encode(wire.PushReply("l1", 3)) + b"\x00", "not a msgpack message"),
         (msgpack.packb([1, 2, 3]), "expected a map with keys v, t, m"),
-        (_envelope("push_reply", {"lease_id": "l1", "num_blocks": 3}, v=2), "protocol version 2"),
+        (_envelope("push_reply", {"lease_id": "l1", "num_blocks": 3}, v=99), "protocol version 99"),
+        (_envelope("push_reply", {"lease_id": "l1", "num_blocks": 3}, v=1), "protocol version 1 is not supported"),
         (_envelope("no_such", {}), "unknown message type 'no_such'"),
+        (_envelope("open_lease", {"request_id": "r", "num_blocks": 1}), "unknown message type 'open_lease'"),
+        (_envelope("complete_lease", {"lease_id": "l1", "first_token_id": 3}), "unexpected fields ['first_token_id']"),
         (_envelope("push_reply", {"lease_id": "l1"}), "missing fields ['num_blocks']"),
         (_envelope("push_reply", {"lease_id": "l1", "num_blocks": 3, "x": 1}), "unexpected fields ['x']"),
         (_envelope("push_reply", {"lease_id": "l1", "num_blocks": True}), "num_blocks: expected an integer"),

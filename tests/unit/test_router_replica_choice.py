@@ -11,29 +11,40 @@ from cluster.serving.autoscaling import (
 )
 from cluster.prefix_hash import hash_full_blocks
 from cluster.serving.config import AutoscalingThresholds
+from cluster.serving.messages import DecodeRoutingStats, PrefillRoutingStats
 from router.replica_choice import prefix_overlap, rank_decode, rank_prefill
 
 
+def decode_stats(*dicts):
+    """What Serve hands the router (dicts; {} for a replica that has not reported), parsed as the router does."""
+    return [DecodeRoutingStats.from_dict(d) for d in dicts]
+
+
+def prefill_stats(*dicts):
+    return [PrefillRoutingStats.from_dict(d) for d in dicts]
+
+
 def test_decode_prefers_replica_that_fits_then_least_loaded():
-    stats = [
+    stats = decode_stats(
         {"kv_blocks_free": 5, "kv_blocks_total": 100, "running": 0},  # does not fit 10 blocks
         {"kv_blocks_free": 50, "kv_blocks_total": 100, "running": 3},
         {"kv_blocks_free": 20, "kv_blocks_total": 100, "running": 1},
-    ]
+    )
     assert rank_decode(stats, need_blocks=10) == [2, 1, 0]
 
 
 def test_decode_ties_break_on_batch_tokens_then_headroom():
-    stats = [
+    stats = decode_stats(
         {"kv_blocks_free": 30, "kv_blocks_total": 100, "running": 2, "batch_tokens": 500},
         {"kv_blocks_free": 30, "kv_blocks_total": 100, "running": 2, "batch_tokens": 2},
         {"kv_blocks_free": 90, "kv_blocks_total": 100, "running": 2, "batch_tokens": 2},
-    ]
+    )
     assert rank_decode(stats, need_blocks=4) == [2, 1, 0]
 
 
 def test_decode_unknown_stats_count_as_empty():
-    assert rank_decode([{"running": 4, "kv_blocks_free": 100, "kv_blocks_total": 100}, {}], 1) == [1, 0]
+    stats = decode_stats({"running": 4, "kv_blocks_free": 100, "kv_blocks_total": 100}, {})
+    assert rank_decode(stats, 1) == [1, 0]
 
 
 def test_prefix_overlap_counts_leading_blocks():
@@ -47,12 +58,12 @@ def test_prefix_overlap_counts_leading_blocks():
 
 def test_prefill_affinity_beats_small_queue_difference():
     # 128-token prompt; replica 1 has 6 of its 8 blocks (96 tokens) but 50 more tokens queued
-    stats = [{"queued_prefill_tokens": 0}, {"queued_prefill_tokens": 50}]
+    stats = prefill_stats({"queued_prefill_tokens": 0}, {"queued_prefill_tokens": 50})
     assert rank_prefill(stats, overlaps=[0, 6], num_prompt_tokens=128, block_size=16) == [1, 0]
 
 
 def test_prefill_long_queue_beats_affinity():
-    stats = [{"queued_prefill_tokens": 0}, {"queued_prefill_tokens": 5000}]
+    stats = prefill_stats({"queued_prefill_tokens": 0}, {"queued_prefill_tokens": 5000})
     assert rank_prefill(stats, overlaps=[0, 6], num_prompt_tokens=128, block_size=16) == [0, 1]
 
 

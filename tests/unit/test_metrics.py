@@ -1,7 +1,8 @@
 """Router metrics: client-side timings, goodput against the SLO, pool stats rendering (no Ray)."""
 
-from cluster.serving.metrics import BatchGeometry, ReplicaStats, RequestTiming, RouterMetrics
 from cluster.serving.config import SLOConfig
+from cluster.serving.messages import BatchGeometry, EngineStats, ReplicaStats
+from cluster.serving.metrics import RequestTiming, RouterMetrics
 
 
 def test_timings_goodput_and_pool_families():
@@ -9,12 +10,14 @@ def test_timings_goodput_and_pool_families():
         ReplicaStats(
             pool="decode",
             replica_id="d1",
-            kv_blocks_total=100,
-            kv_dtype="bfloat16",
-            kv_blocks_used=25,
-            prefix_queries=10,
-            prefix_hits=4,
-            geometry=BatchGeometry(num_seqs=3, prefill_fraction=0.5),
+            engine=EngineStats(
+                kv_blocks_total=100,
+                kv_dtype="bfloat16",
+                kv_blocks_used=25,
+                prefix_queries=10,
+                prefix_hits=4,
+                geometry=BatchGeometry(num_seqs=3, prefill_fraction=0.5),
+            ),
         )
     ]
     m = RouterMetrics(SLOConfig(ttft_ms=100, tpot_ms=50), stats_source=lambda: stats)

@@ -42,17 +42,19 @@ def test_app_builder_builds_the_graph():
     assert type(app).__name__ == "Application"
 
 
-def test_pool_placement_options():
-    from cluster.app import _pool_options, cluster_has_gpus
+def test_pool_options_follow_the_placement():
+    from cluster.app import _pool_options
+    from cluster.serving.placement import place_pools
     from router.replica_choice import DecodeRequestRouter
 
     cfg = load_serve_config(DEPLOY / "shapeserve.yaml")
-    opts = _pool_options("DecodeWorker", cfg.decode, cfg, DecodeRequestRouter)
+    placement = place_pools(cfg, cluster_cpus=64, cluster_gpus=8)
+    opts = _pool_options("DecodeWorker", cfg.decode, placement.decode, cfg, DecodeRequestRouter)
     assert opts["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1, "resources": {"decode": 1}}
     assert opts["request_router_config"].request_router_kwargs == {"block_size": 16}
     assert "autoscaling_config" in opts and "num_replicas" not in opts
     local = load_serve_config(DEPLOY / "shapeserve-local.yaml")
-    opts = _pool_options("PrefillWorker", local.prefill, local, DecodeRequestRouter)
-    # num_gpus unset: one per replica only where there are GPUs
-    assert opts["ray_actor_options"]["num_gpus"] == (1.0 if cluster_has_gpus() else 0.0)
+    placement = place_pools(local, cluster_cpus=2, cluster_gpus=0)
+    opts = _pool_options("DecodeWorker", local.decode, placement.decode, local, DecodeRequestRouter)
+    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
     assert opts["num_replicas"] == 1

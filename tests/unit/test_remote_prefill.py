@@ -1,8 +1,8 @@
-"""The request lifecycle between a decode and a prefill replica, in one process without Ray.
+"""A REMOTE request between a decode and a prefill worker, in one process without Ray.
 
-The pool replica classes run as they do under Serve, wired with a fake handle that can fail,
-hang or succeed; both KV data planes (kv_transfer over gRPC, and the Ray-object path) are used.
-Every scenario ends with no KV block in use on either side.
+The pool workers run as they do under Serve, wired with a fake handle that can fail, hang or
+succeed, and KV moving over kv_transfer (gRPC and gloo). Every scenario ends with no KV block
+in use on either side and no open lease.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams
 from cluster.prefix_hash import hash_full_blocks
-from cluster.engine.llm_engine import LLMEngine, RequestOutput
+from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.config import parse_serve_config
-from cluster.serving.messages import GenerateTask
+from cluster.serving.messages import GenerateTask, Route
 from decode_workers.replica import DecodeWorker
 from prefill_workers.replica import PrefillWorker
 
@@ -72,32 +72,33 @@ def config(transport: str):
 
 async def make_pair(model_dir, transport, behaviour=lambda attempt: "ok"):
     cfg = config(transport)
-    prefill = PrefillWorker.__new__(PrefillWorker)
-    await prefill.__init__(cfg, str(model_dir))
-    decode = DecodeWorker.__new__(DecodeWorker)
+    prefill = await PrefillWorker.start(cfg, str(model_dir))
     handle = FakePrefillHandle(prefill, behaviour)
-    await decode.__init__(cfg, str(model_dir), handle)
+    decode = await DecodeWorker.start(cfg, str(model_dir), handle)
     return prefill, decode, handle
 
 
-def task(rid="r1", prompt=PROMPT, params=GREEDY, route="remote"):
+def task(rid="r1", prompt=PROMPT, params=GREEDY, route=Route.REMOTE):
     return GenerateTask(rid, tuple(prompt), params, route, time.time() + 30, tuple(hash_full_blocks(prompt, 16)))
 
 
 async def run_to_end(decode: DecodeWorker, t: GenerateTask):
     items = [item async for item in decode.generate(t)]
-    return items[0], [tok for o in items[1:] if isinstance(o, RequestOutput) for tok in o.new_token_ids]
+    return items[0], [tok for batch in items[1:] for o in batch for tok in o.new_token_ids]
 
 
 async def assert_idle(*workers):
     for _ in range(100):
-        snaps = [w.engine.snapshot() for w in workers]
-        if all(s["kv_blocks_used"] == 0 and s["active_requests"] == 0 for s in snaps):
+        stats = [w.engine.stats() for w in workers]
+        if all(s.kv_blocks_used == 0 and s.active_requests == 0 for s in stats):
             break
         await asyncio.sleep(0.02)
     for w in workers:
-        assert w.engine.snapshot()["kv_blocks_used"] == 0, w
+        assert w.engine.stats().kv_blocks_used == 0, w
         assert await w.engine.check_integrity()
+    for w in workers:  # every lease ended on both sides
+        leases = w.receiver.leases if isinstance(w, DecodeWorker) else w.sender.leases
+        assert len(leases) == 0
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +111,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "ray"])
+@pytest.mark.parametrize("transport", ["grpc", "gloo"])
 def test_remote_prefill_matches_offline(demo_model, expected, transport):
     async def main():
         prefill, decode, _handle = await make_pair(demo_model, transport)
         try:
             started, ids = await run_to_end(decode, task())
-            first_bytes = decode.stats().transfer_bytes
+            first_bytes = decode.stats().transfers.transfer_bytes
             # same prompt again: the decode side's prefix-cache hits are not transferred again
             _, ids2 = await run_to_end(decode, task("r2"))
             await assert_idle(prefill, decode)
@@ -126,13 +127,13 @@ def test_remote_prefill_matches_offline(demo_model, expected, transport):
             prefill.shutdown()
 
     started, ids, ids2, dstats, pstats, first_bytes = run(main())
-    assert started.route == "remote"
+    assert started.route is Route.REMOTE
     assert ids == expected and ids2 == expected
-    assert dstats.transfers == 2 and dstats.local_fallbacks == 0
-    assert pstats.last_transport == transport
+    assert dstats.transfers.transfers == 2 and dstats.transfers.local_fallbacks == 0
+    assert pstats.transfers.last_transport == dstats.transfers.last_transport == transport
     # PROMPT is 70 tokens = 5 blocks; the second transfer skips the 4 full blocks cached on the decode side
     per_block = first_bytes // 5
-    assert first_bytes == 5 * per_block and dstats.transfer_bytes - first_bytes == per_block
+    assert first_bytes == 5 * per_block and dstats.transfers.transfer_bytes - first_bytes == per_block
 
 
 def test_failed_prefill_is_retried(demo_model, expected):
@@ -147,8 +148,9 @@ def test_failed_prefill_is_retried(demo_model, expected):
             prefill.shutdown()
 
     ids, stats, calls = run(main())
+    t = stats.transfers
     assert ids == expected and calls == 2
-    assert (stats.prefill_retries, stats.transfer_failures, stats.local_fallbacks, stats.transfers) == (1, 1, 0, 1)
+    assert (t.prefill_retries, t.transfer_failures, t.local_fallbacks, t.transfers) == (1, 1, 0, 1)
 
 
 @pytest.mark.parametrize("how", ["fail", "hang"])
@@ -164,19 +166,20 @@ def test_prefill_pool_gone_falls_back_to_local(demo_model, expected, how):
             prefill.shutdown()
 
     ids, stats = run(main())
+    t = stats.transfers
     assert ids == expected
-    assert (stats.prefill_retries, stats.local_fallbacks, stats.transfers) == (1, 1, 0)
+    assert (t.prefill_retries, t.local_fallbacks, t.transfers) == (1, 1, 0)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "ray"])
+@pytest.mark.parametrize("transport", ["grpc", "gloo"])
 def test_cancel_mid_stream_frees_blocks_on_both_sides(demo_model, transport):
     async def main():
         prefill, decode, _ = await make_pair(demo_model, transport)
         try:
             gen = decode.generate(task(params=dataclasses.replace(GREEDY, max_tokens=500)))
-            assert (await gen.__anext__()).route == "remote"
+            assert (await gen.__anext__()).route is Route.REMOTE
             await gen.__anext__()  # the first token: decode holds the request's blocks
-            assert decode.engine.snapshot()["kv_blocks_used"] > 0
+            assert decode.engine.stats().kv_blocks_used > 0
             await gen.aclose()  # what Serve does when the client disconnects
             await assert_idle(prefill, decode)
         finally:
@@ -192,12 +195,11 @@ def test_cancel_during_remote_prefill_frees_blocks_on_both_sides(demo_model):
         try:
             consumer = asyncio.ensure_future(run_to_end(decode, task()))
             await asyncio.sleep(0.3)  # reserved on decode, prefill call in flight
-            assert decode.engine.snapshot()["waiting_for_remote_kv"] == 1
+            assert decode.engine.stats().waiting_for_remote_kv == 1
             consumer.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await consumer
             await assert_idle(prefill, decode)
-            assert not decode._leases
         finally:
             decode.shutdown()
             prefill.shutdown()
@@ -209,11 +211,11 @@ def test_local_route_does_not_touch_prefill(demo_model, expected):
     async def main():
         prefill, decode, handle = await make_pair(demo_model, "grpc")
         try:
-            started, ids = await run_to_end(decode, task(route="local"))
+            started, ids = await run_to_end(decode, task(route=Route.LOCAL))
             return started, ids, handle.calls
         finally:
             decode.shutdown()
             prefill.shutdown()
 
     started, ids, calls = run(main())
-    assert started.route == "local" and ids == expected and calls == 0
+    assert started.route is Route.LOCAL and ids == expected and calls == 0

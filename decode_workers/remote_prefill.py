@@ -1,0 +1,115 @@
+"""One REMOTE request's prefill on the decode side, owned by one object from reservation to the end.
+
+    prefill = RemotePrefill(task, worker)
+    try:
+        if await prefill.reserve():          # blocks for the whole prompt, past our prefix-cache hits
+            await prefill.run()              # attempts on prefill replicas; install the KV, or prefill locally
+    finally:
+        prefill.close()                      # ends the open lease (idempotent)
+
+``reserve()`` returns False when no blocks could be had in time: the request was added for a
+local prefill instead. ``run()`` returns the route the request took (REMOTE when the pushed KV
+was installed, LOCAL after falling back). The KV blocks are this request's (the engine reserved
+them); a lease only promises them to one transfer, and it is always ended before the blocks are
+used again: by the sender's completion, or here by ``abort`` before a retry, a fallback, or the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from cluster.engine.llm_engine import RemoteKVReservation
+from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Route
+from kv_transfer import Lease, LeaseState
+
+if TYPE_CHECKING:
+    from decode_workers.replica import DecodeWorker
+
+log = logging.getLogger("ray.serve")
+
+
+class RemotePrefill:
+    def __init__(self, task: GenerateTask, worker: DecodeWorker):
+        self.task = task
+        self.worker = worker
+        self.reservation: RemoteKVReservation | None = None
+        self.lease: Lease | None = None
+
+    async def reserve(self) -> bool:
+        """Reserves the prompt's blocks (waiting up to ``reserve_timeout_s`` for room). False: none could be
+        had, and the request was added for a local prefill instead (queued like any LOCAL request)."""
+        task, engine = self.task, self.worker.engine
+        rid, prompt = task.request_id, list(task.prompt_token_ids)
+        give_up = time.time() + self.worker.config.timeouts.reserve_timeout_s
+        while True:
+            self.reservation = await engine.call(lambda e: e.reserve_remote_kv(rid, prompt, task.params))
+            if self.reservation is not None:
+                return True
+            if time.time() >= give_up:
+                break
+            await asyncio.sleep(0.02)
+        self.worker.count(local_fallbacks=1)
+        await engine.call(lambda e: e.add_request(rid, prompt, task.params))
+        return False
+
+    async def run(self) -> Route:
+        """Prefill attempts on the prefill pool, then the install of the first try that succeeds; without
+        one, a local prefill on the same blocks (prefix hits kept). Returns the route taken."""
+        cfg = self.worker.config.timeouts
+        for attempt in range(cfg.max_prefill_attempts):
+            if attempt:
+                self.worker.count(prefill_retries=1)
+            result = await self._attempt(attempt)
+            if result is not None:
+                first, logprob = result.first_token_id, result.first_logprob
+                await self.worker.engine.call(lambda e: e.complete_remote_kv(self.task.request_id, first, logprob))
+                return Route.REMOTE
+        self.worker.count(local_fallbacks=1)
+        await self.worker.engine.call(lambda e: e.fallback_to_local_prefill(self.task.request_id))
+        return Route.LOCAL
+
+    async def _attempt(self, attempt: int) -> PrefillResult | None:
+        """One prefill replica's try with a fresh lease on our blocks; None if it failed (the lease is ended)."""
+        task, worker = self.task, self.worker
+        assert self.reservation is not None
+        skip = self.reservation.num_cached_tokens // worker.block_size
+        lease = self.lease = worker.receiver.open_lease(task.request_id, self.reservation.block_ids[skip:], skip)
+        deadline = min(task.deadline, time.time() + worker.config.timeouts.prefill_timeout_s)
+        ptask = PrefillTask(
+            task.request_id, task.prompt_token_ids, task.params, deadline, lease, task.block_hashes, attempt
+        )
+        started = time.perf_counter()
+        response = worker.prefill.prefill.remote(ptask)
+        try:
+            result: PrefillResult = await asyncio.wait_for(response, timeout=max(0.0, deadline - time.time()))
+            outcome = worker.receiver.outcome(lease.lease_id)
+            if outcome is None or outcome.state != LeaseState.COMPLETED:
+                raise RuntimeError(f"the prefill replica answered but lease {lease.lease_id} is {outcome}")
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as e:  # dead replica, deadline, broken transfer: this attempt failed before the first token  # noqa: BLE001
+            response.cancel()
+            self.close()
+            worker.count(transfer_failures=1)
+            log.warning(
+                "prefill of %s failed (attempt %d/%d): %r",
+                task.request_id,
+                attempt + 1,
+                worker.config.timeouts.max_prefill_attempts,
+                e,
+            )
+            return None
+        self.lease = None  # completed: nothing left to end
+        worker.count(transfers=1, transfer_bytes=result.num_bytes, transfer_seconds=time.perf_counter() - started)
+        worker.last_transport = result.transport
+        return result
+
+    def close(self) -> None:
+        """Ends the open lease, if any: after this returns no sender writes into the blocks. Idempotent."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            self.worker.receiver.abort(lease.lease_id, "the decode replica gave up on this transfer")

@@ -1,0 +1,89 @@
+"""From a validated request and its tokens to a plan: sampling parameters, geometry, route. Pure.
+
+No clocks, no I/O, no state: the same inputs give the same ``RequestPlan`` (or the same error),
+so the whole decision at the edge is unit-tested without a server. ``router.server`` carries the
+plan out (admission ticket, dispatch, response).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cluster.config import SamplingParams
+from cluster.errors import ShapeserveError
+from cluster.openai_protocol import APIError
+from cluster.prefix_hash import hash_full_blocks
+from cluster.prompting import check_prompt
+from cluster.serving.config import ServeConfig
+from cluster.serving.messages import Route
+from router.classifier import LoadSnapshot, RequestGeometry, RouteDecision, classify
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    geometry: RequestGeometry
+    decision: RouteDecision
+
+    @property
+    def route(self) -> Route:
+        return self.decision.route
+
+
+def user_error(e: ShapeserveError) -> APIError:
+    return APIError(e.http_status, e.message, e.error_type, e.param, e.code)
+
+
+def default_max_tokens(kind: str, num_prompt_tokens: int, limits: ModelLimits) -> int:
+    """OpenAI's defaults: 16 for completions, the rest of the context for chat."""
+    return 16 if kind == "completion" else max(1, limits.max_model_len - num_prompt_tokens)
+
+
+def plan_request(
+    kind: str,
+    request,
+    prompt: list[int],
+    limits: ModelLimits,
+    config: ServeConfig,
+    load: LoadSnapshot,
+    cached_blocks: Callable[[Sequence[bytes]], int],
+    priority: int = 0,
+) -> RequestPlan:
+    """The plan, with route REJECT when the request's class is full (``rejection(plan)`` is the 429 to answer).
+    Raises APIError (400) for a request that can never run.
+
+    ``request``: the validated body (``cluster.openai_protocol``); ``cached_blocks(hashes)``: how many leading
+    blocks are believed to be in the decode replica's prefix cache (read-only); ``load``: the admission state."""
+    try:
+        params = request.sampling_params(default_max_tokens(kind, len(prompt), limits))
+        check_prompt(prompt, params.max_tokens, limits.vocab_size, limits.max_model_len)
+    except ShapeserveError as e:
+        raise user_error(e) from None
+    bs = config.block_size
+    hashes = tuple(hash_full_blocks(prompt, bs))
+    geometry = RequestGeometry(len(prompt), cached_blocks(hashes) * bs, params.max_tokens, config.dtype, priority)
+    decision = classify(geometry, config.classifier, config.admission, load)
+    return RequestPlan(params, tuple(prompt), hashes, geometry, decision)
+
+
+def rejection(plan: RequestPlan, config: ServeConfig) -> APIError:
+    """The 429 for a REJECT plan, with Retry-After from the class's predicted wait."""
+    d = plan.decision
+    retry = d.retry_after_s or config.admission.min_retry_after_s
+    return APIError(
+        429,
+        f"server is at capacity for {d.route_class.value} requests ({d.reason}); retry after {retry} s",
+        "rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(math.ceil(retry))},
+    )

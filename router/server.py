@@ -1,0 +1,423 @@
+"""The HTTP edge: the OpenAI-compatible API, served by the replica that owns the request's stream.
+
+Per request: read the body (bounded) -> validate (pydantic, 400s) -> tokenize (long text off the
+event loop) -> ``plan_request`` (pure: parameters, geometry, route, or 429) -> admit -> hand the
+``GenerateTask`` to the backend (the decode worker in this process) -> stream. The response is
+committed only after the backend accepted the request (``Started``), so errors before that are
+plain HTTP errors even for streaming requests; after it, a stream ends with an error event.
+The client-side clock (TTFT, TPOT, inter-token latency, e2e, queue time) runs here.
+
+Outputs arrive a batch per engine step and leave as one SSE event per step (``router.streaming``).
+A client disconnect cancels the response, which closes the backend's generator: the request is
+aborted and its blocks freed on every side. This module imports no torch: the edge can run
+without the engine's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.config import ModelConfig
+from cluster.errors import ShapeserveError
+from cluster.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_choice,
+    error_body,
+    new_id,
+    parse_body,
+    response_envelope,
+    usage,
+)
+from cluster.prompting import check_text_fits, encode_chat, encode_prompt, max_chars_per_token
+from cluster.serving.config import ServeConfig
+from cluster.serving.messages import GenerateTask, ReplicaStats, Route, Started
+from cluster.serving.metrics import RequestTiming, RouterMetrics
+from cluster.tokenizer import load_tokenizer
+from router.admission import AdmissionController, PrefixEstimator, Ticket
+from router.plan import ModelLimits, RequestPlan, plan_request, rejection, user_error
+from router.streaming import DONE, ChunkEncoder, sse_event
+
+if TYPE_CHECKING:
+    from cluster.engine.llm_engine import RequestOutput
+
+log = logging.getLogger("ray.serve")
+
+#: Prompts longer than this (characters) are tokenized on a worker thread, not on the event loop:
+#: a long tokenization must not stall every other request's streaming.
+TOKENIZE_INLINE_MAX_CHARS = 8192
+
+
+class GenerationBackend(Protocol):
+    """What the edge needs of the decode worker it fronts."""
+
+    replica_id: str
+
+    def generate(self, task: GenerateTask) -> AsyncIterator[Started | tuple[RequestOutput, ...]]:
+        """``Started``, then batches of outputs until the finished one; closing it aborts the request."""
+
+    def check_health(self) -> None:
+        """Raises if the engine cannot serve."""
+
+
+class OpenAIServer:
+    """One per decode replica. ``asgi_app()`` is what Serve serves (directly, with direct ingress)."""
+
+    def __init__(self, config: ServeConfig, model_dir: str, backend: GenerationBackend, board=None, disaggregated=True):
+        self.config = config
+        self.model_dir = model_dir
+        self.backend = backend
+        self.board = board
+        self.disaggregated = disaggregated
+        self.tokenizer = load_tokenizer(model_dir)
+        model = ModelConfig.from_pretrained(model_dir)
+        self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
+        self.admission = AdmissionController(config.admission)
+        self.prefix = PrefixEstimator()
+        self.pool_stats: list[ReplicaStats] = []
+        self._stats_at = 0.0
+        self._refreshing: asyncio.Task | None = None
+        self.metrics = RouterMetrics(config.slo, stats_source=lambda: self.pool_stats)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    # ---- the ASGI app -------------------------------------------------------------------------
+
+    def asgi_app(self) -> FastAPI:
+        # No /docs or /openapi.json: a production endpoint does not publish its internals.
+        app = FastAPI(title="shapeserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(APIError, _api_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(Exception, _internal_error)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_page, methods=["GET"])
+        app.add_api_route("/admin/pools", self.admin_pools, methods=["GET"])
+        return app
+
+    # ---- pool state ---------------------------------------------------------------------------
+
+    async def _refresh_pools(self) -> list[ReplicaStats]:
+        if self.board is not None:
+            self.pool_stats = await self.board.snapshot.remote()
+        self._stats_at = time.monotonic()
+        return self.pool_stats
+
+    def _maybe_refresh(self) -> None:
+        stale = time.monotonic() - self._stats_at > self.config.routing_stats_period_s
+        if stale and self.board is not None and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh_pools())
+
+    def _prefill_up(self) -> bool:
+        if not self.disaggregated:
+            return False
+        # Before the first pool report arrives, assume the prefill pool is there.
+        return not self.pool_stats or any(s.pool == "prefill" and s.healthy for s in self.pool_stats)
+
+    # ---- endpoints ----------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        missing = []
+        try:
+            self.backend.check_health()
+        except Exception:  # noqa: BLE001
+            missing.append("decode")
+        if self.disaggregated:
+            await self._refresh_pools()
+            if not any(s.pool == "prefill" and s.healthy for s in self.pool_stats):
+                missing.append("prefill")
+        if missing:
+            return JSONResponse({"status": "unavailable", "missing": missing}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_page(self) -> Response:
+        await self._refresh_pools()
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def admin_pools(self) -> Response:
+        if not self.config.enable_admin_api:
+            raise APIError(404, "the admin API is disabled (enable_admin_api: false)", "not_found_error")
+        stats = await self._refresh_pools()
+        return JSONResponse({"replicas": [s.as_dict() for s in stats]})
+
+    async def models(self) -> Response:
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "shapeserve",
+            "root": self.model_dir,
+            "max_model_len": self.limits.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = parse_body(await self._read_body(request), CompletionRequest)
+        self._check_model(req.model)
+        size = len(req.prompt) if isinstance(req.prompt, str) else 0
+        prompt = await self._encode(lambda: encode_prompt(self.tokenizer, req.prompt), size, "prompt")
+        return await self._serve("completion", req, prompt)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req: ChatCompletionRequest = parse_body(await self._read_body(request), ChatCompletionRequest)
+        self._check_model(req.model)
+        conversation = _user_errors(req.conversation)
+        size = sum(len(m["content"]) for m in conversation)
+        prompt = await self._encode(
+            lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt), size, "messages"
+        )
+        return await self._serve("chat", req, prompt)
+
+    # ---- one request --------------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, read no further than ``max_request_body_bytes`` (413 past it: a huge body must not
+        cost the replica its memory)."""
+        limit = self.config.max_request_body_bytes
+        too_large = APIError(
+            413,
+            f"the request body is larger than this server's limit of {limit} bytes; send a shorter prompt "
+            "(the operator can raise max_request_body_bytes)",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str) -> None:
+        if model not in (self.config.model_name, self.model_dir):
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+
+    async def _encode(self, fn: Callable[[], list[int]], num_chars: int, param: str) -> list[int]:
+        """Tokenizes (or renders the chat template): text that cannot fit the context is refused first, and
+        long text is tokenized off the event loop."""
+        _user_errors(lambda: check_text_fits(num_chars, self.chars_per_token, self.limits.max_model_len, param))
+        if num_chars <= TOKENIZE_INLINE_MAX_CHARS:
+            return _user_errors(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, _user_errors, fn)
+
+    async def _serve(self, kind: str, req, prompt: list[int]) -> Response:
+        arrival = time.monotonic()
+        self._maybe_refresh()
+        load = self.admission.snapshot(self._prefill_up())
+        plan = plan_request(kind, req, prompt, self.limits, self.config, load, self.prefix.cached_blocks, req.priority)
+        if plan.route is Route.REJECT:
+            self.metrics.rejected.labels(plan.decision.route_class.value).inc()
+            self.metrics.errors.labels("429").inc()
+            raise rejection(plan, self.config)
+        rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
+        run = RequestRun(self, kind, req, rid, plan, arrival)
+        started = await run.start()
+        headers = {"x-shapeserve-route": started.route.value}
+        if req.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
+        try:
+            body = await run.collect()
+        except APIError as e:
+            e.headers.update(headers)
+            raise
+        return JSONResponse(body, headers=headers)
+
+    def upstream_error(self, e: BaseException) -> APIError:
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, ShapeserveError):
+            return user_error(e)
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+            self.metrics.errors.labels("504").inc()
+            return APIError(504, "the request passed its deadline", "timeout_error", code="timeout")
+        log.warning("decode worker failed: %r", e)
+        self.metrics.errors.labels("503").inc()
+        return APIError(503, f"the decode worker could not serve the request: {type(e).__name__}", "server_error", code="unavailable")
+
+
+class RequestRun:
+    """One admitted request: its admission ticket, its backend stream and its client-side timing.
+    ``start()`` then ``sse()`` or ``collect()``; the ticket, the stream and the metrics end exactly once."""
+
+    def __init__(self, server: OpenAIServer, kind: str, req, rid: str, plan: RequestPlan, arrival: float):
+        self.s = server
+        self.kind = kind
+        self.req = req
+        self.rid = rid
+        self.plan = plan
+        self.ticket: Ticket = server.admission.admit(plan.route, plan.geometry.cost_tokens)
+        server.prefix.record(plan.block_hashes)
+        self.timing = RequestTiming(arrival=arrival, route=plan.route.value)
+        task = GenerateTask(
+            request_id=f"{rid}-{uuid.uuid4().hex[:6]}",
+            prompt_token_ids=plan.prompt_token_ids,
+            params=plan.params,
+            route=plan.route,
+            deadline=time.time() + server.config.timeouts.request_timeout_s,
+            block_hashes=plan.block_hashes,
+        )
+        self.stream = server.backend.generate(task)
+        self.num_output = 0
+        self.num_cached = 0
+        self._ended = False
+
+    async def start(self) -> Started:
+        """Waits until the backend took the request; an error here is an HTTP error (nothing committed yet)."""
+        try:
+            first = await anext(self.stream)
+        except BaseException as e:
+            await self._end("error" if not isinstance(e, asyncio.CancelledError) else "cancelled")
+            if isinstance(e, (asyncio.CancelledError, APIError)):
+                raise
+            raise self.s.upstream_error(e) from None
+        if not isinstance(first, Started):  # pragma: no cover - the backend contract
+            await self._end("error")
+            raise APIError(500, "the decode worker answered out of order", "server_error")
+        self.timing.started = time.monotonic()
+        return first
+
+    async def batches(self) -> AsyncIterator[Sequence[RequestOutput]]:
+        """The request's outputs a step at a time; always ends the stream, the ticket and the metrics."""
+        outcome = "error"
+        try:
+            async for batch in self.stream:
+                assert not isinstance(batch, Started)
+                last = batch[-1]
+                if last.error is not None:  # the engine failed on this request (only this one)
+                    self.s.metrics.errors.labels("500").inc()
+                    raise APIError(500, f"the engine failed while generating this request: {last.error}", "server_error")
+                self.s.metrics.observe_token(self.timing, time.monotonic(), sum(len(o.new_token_ids) for o in batch))
+                self.num_output = last.num_output_tokens
+                self.num_cached = last.num_cached_tokens
+                yield batch
+                if last.finished:
+                    outcome = "ok" if last.finish_reason != "abort" else "aborted"
+                    return
+            raise APIError(503, "the decode worker ended the stream early", "server_error")
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self.s.upstream_error(e) from None
+        finally:
+            await self._end(outcome)
+
+    async def _end(self, outcome: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            await self.stream.aclose()  # the backend's finally: abort, free the blocks
+        finally:
+            self.s.admission.release(self.ticket, len(self.plan.prompt_token_ids) + self.num_output)
+            self.s.metrics.observe_finished(self.timing, outcome, len(self.plan.prompt_token_ids))
+
+    def _usage(self) -> dict[str, Any]:
+        return usage(len(self.plan.prompt_token_ids), self.num_output, self.num_cached)
+
+    async def collect(self) -> dict[str, Any]:
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list[float] = []
+        finish = None
+        async with aclosing(self.batches()) as batches:
+            async for batch in batches:
+                for out in batch:
+                    text.append(out.new_text)
+                    ids.extend(out.new_token_ids)
+                    lps.extend(out.new_logprobs)
+                finish = batch[-1].finish_reason
+        model = self.s.config.model_name
+        body = response_envelope(self.kind, self.rid, model, stream=False)  # type: ignore[arg-type]
+        body["choices"] = [
+            completion_choice(
+                self.kind,  # type: ignore[arg-type]
+                "".join(text),
+                finish,
+                ids if self.req.return_token_ids else None,
+                lps if self.req._want_logprobs() else None,
+                False,
+            )
+        ]
+        body["usage"] = self._usage()
+        return body
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        encoder = ChunkEncoder(
+            self.kind,  # type: ignore[arg-type]
+            self.rid,
+            self.s.config.model_name,
+            int(time.time()),
+            logprobs=self.req._want_logprobs(),
+            token_ids=self.req.return_token_ids,
+            include_usage=self.req.include_usage,
+        )
+        try:
+            async with aclosing(self.batches()) as batches:
+                async for batch in batches:
+                    yield encoder.chunk(batch)
+        except APIError as e:
+            yield sse_event(e.body()) + DONE
+            return
+        yield (encoder.usage(self._usage()) if self.req.include_usage else b"") + DONE
+
+
+def _user_errors(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ShapeserveError as e:
+        raise user_error(e) from None
+
+
+# ---- error bodies (OpenAI's shape on every error) ----------------------------------------------
+
+
+async def _api_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, APIError)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, StarletteHTTPException)
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+    message = {
+        404: f"no route {request.url.path!r}; see /v1/models, /v1/completions, /v1/chat/completions",
+        405: f"{request.method} is not allowed on {request.url.path!r}",
+    }.get(e.status_code, str(e.detail))
+    return JSONResponse(error_body(message, kind), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
+async def _validation_error(request: Request, e: Exception) -> JSONResponse:
+    return JSONResponse(error_body(f"invalid request: {e}", "invalid_request_error"), status_code=400)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)

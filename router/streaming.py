@@ -1,0 +1,88 @@
+"""Server-sent events for one streaming request, encoded cheaply: one event per engine step.
+
+The envelope of every chunk of a request (id, object, created, model, index) is the same, so it
+is encoded once; each step only JSON-encodes the new text (and token ids / logprobs when asked
+for). All outputs that reached the request since its last write go out as one event, in one
+write: the streaming cost per client is one small encode and one send per engine step.
+The chunks are the same JSON ``cluster.openai_protocol`` builds for the non-streaming bodies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+DONE = b"data: [DONE]\n\n"
+
+
+class Output(Protocol):
+    """What the edge reads of an engine ``RequestOutput``."""
+
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    new_logprobs: tuple[float, ...]
+    finish_reason: str | None
+
+
+def sse_event(payload: dict[str, Any] | str) -> bytes:
+    return b"data: " + (payload if isinstance(payload, str) else _dumps(payload)).encode() + b"\n\n"
+
+
+class ChunkEncoder:
+    """Encodes a request's stream chunks: ``chunk(outputs)`` for a batch of outputs, ``usage(...)`` at the end."""
+
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        request_id: str,
+        model: str,
+        created: int,
+        *,
+        logprobs: bool,
+        token_ids: bool,
+        include_usage: bool,
+    ):
+        self.kind = kind
+        self.logprobs = logprobs
+        self.token_ids = token_ids
+        self.include_usage = include_usage
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        self._envelope = f'{{"id":{_dumps(request_id)},"object":"{obj}","created":{created},"model":{_dumps(model)}'
+        self._head = (self._envelope + ',"choices":[{"index":0,"finish_reason":').encode()
+        self._tail = ("}]" + (',"usage":null' if include_usage else "") + "}\n\n").encode()
+        self._first = True
+
+    def chunk(self, outputs: Sequence[Output]) -> bytes:
+        """One SSE event for all of ``outputs`` (text joined, ids and logprobs concatenated)."""
+        if len(outputs) == 1:
+            out = outputs[0]
+            text, ids, lps, finish = out.new_text, out.new_token_ids, out.new_logprobs, out.finish_reason
+        else:
+            text = "".join(o.new_text for o in outputs)
+            ids = tuple(t for o in outputs for t in o.new_token_ids)
+            lps = tuple(lp for o in outputs for lp in o.new_logprobs)
+            finish = outputs[-1].finish_reason
+        parts = [b"data: ", self._head, b"null" if finish is None else _dumps(finish).encode()]
+        if self.kind == "completion":
+            parts += [b',"text":', _dumps(text).encode(), b',"logprobs":']
+            parts.append(_dumps({"token_logprobs": list(lps)}).encode() if self.logprobs else b"null")
+        else:
+            # The role goes in the first delta only, as OpenAI does.
+            role = b'"role":"assistant",' if self._first else b""
+            parts += [b',"delta":{', role, b'"content":', _dumps(text).encode(), b'},"logprobs":']
+            parts.append(_chat_logprobs(lps) if self.logprobs else b"null")
+        if self.token_ids:
+            parts += [b',"token_ids":', _dumps(list(ids)).encode()]
+        parts.append(self._tail)
+        self._first = False
+        return b"".join(parts)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return b"data: " + (self._envelope + ',"choices":[],"usage":' + _dumps(usage) + "}").encode() + b"\n\n"
+
+
+def _chat_logprobs(lps: Sequence[float]) -> bytes:
+    return _dumps({"content": [{"token": "", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in lps]}).encode()

@@ -1,0 +1,110 @@
+"""The threaded engine driver the pool replicas run (no Ray): streams, aborts, engine-thread calls,
+and one hand-over to the event loop per engine step."""
+
+import asyncio
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.serving.async_engine import AsyncEngine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), cache=CacheConfig(num_blocks=64)))
+
+
+async def drain(stream) -> list[int]:
+    ids = []
+    while True:
+        out = await stream.get()
+        ids += out.new_token_ids
+        if out.finished:
+            return ids
+
+
+def test_streams_match_offline_generate_and_abort_frees_blocks(demo_model):
+    prompts = [[5, 6, 7, 8], list(range(10, 50))]
+    want = [r["token_ids"] for r in make_engine(demo_model).generate(prompts, GREEDY)]
+
+    async def main():
+        ae = AsyncEngine(make_engine(demo_model))
+        ae.start(asyncio.get_running_loop())
+        try:
+            streams = [await ae.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+            long = await ae.add_request("long", list(range(60, 90)), SamplingParams(max_tokens=500, ignore_eos=True))
+            got = [await drain(s) for s in streams]
+            await long.get()  # running
+            ae.abort("long")
+            ae.abort("long")  # idempotent
+            used = await ae.call(lambda e: e.block_pool.num_used_blocks)
+            assert await ae.check_integrity()
+            return got, used, ae.stats()
+        finally:
+            ae.shutdown()
+
+    got, used, stats = asyncio.run(main())
+    assert got == want
+    assert used == 0 and stats.active_requests == 0 and stats.kv_blocks_used == 0
+
+
+def test_one_hand_over_per_step_whatever_the_batch(demo_model, monkeypatch):
+    """A step's outputs for every request cross to the event loop in one call (not one per request)."""
+    calls = []
+
+    async def main():
+        ae = AsyncEngine(make_engine(demo_model))
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            if cb == ae._deliver:
+                calls.append(len(args[0]))
+            return real(cb, *args)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+        ae.start(loop)
+        try:
+            streams = [await ae.add_request(f"r{i}", [5 + i, 6, 7], GREEDY) for i in range(8)]
+            for s in streams:
+                await drain(s)
+            return ae.num_steps
+        finally:
+            ae.shutdown()
+
+    steps = asyncio.run(main())
+    assert sum(calls) == 8 * GREEDY.max_tokens  # every output delivered
+    assert len(calls) <= steps  # at most one hand-over per step
+    assert max(calls) > 1  # several requests' outputs in one hand-over
+
+
+def test_a_consumer_that_falls_behind_gets_the_backlog_at_once(demo_model):
+    async def main():
+        ae = AsyncEngine(make_engine(demo_model))
+        ae.start(asyncio.get_running_loop())
+        try:
+            s = await ae.add_request("r", [5, 6, 7], GREEDY)
+            await asyncio.sleep(1.0)  # every step has run by now
+            first = await s.get()
+            return [first, *s.get_ready()]
+        finally:
+            ae.shutdown()
+
+    outs = asyncio.run(main())
+    assert len(outs) == GREEDY.max_tokens and outs[-1].finished
+
+
+def test_call_propagates_errors_and_leaves_no_stream(demo_model):
+    async def main():
+        ae = AsyncEngine(make_engine(demo_model))
+        ae.start(asyncio.get_running_loop())
+        try:
+            with pytest.raises(Exception, match="empty"):
+                await ae.add_request("x", [], GREEDY)
+            return dict(ae._streams)
+        finally:
+            ae.shutdown()
+
+    assert asyncio.run(main()) == {}
