@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup serve test test-fast bench clean
+.PHONY: setup serve test test-fast lint bench clean
 
 $(BIN)/shapeserve: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The gate CI runs before the tests: lint and types, configured in pyproject.toml.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -18,9 +18,9 @@ import torch
 
 import cluster.engine.model_runner as runner_module
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, greedy, make_engine
-from cluster.tools.workloads import load_workload
-from cluster.tools.demo_model import ensure_demo_model
 from cluster.engine.linear import use_matmul
+from cluster.tools.demo_model import ensure_demo_model
+from cluster.tools.workloads import load_workload
 
 
 class StepTimers:
@@ -64,7 +64,9 @@ def main(argv=None) -> None:
 
     timers = StepTimers()
     # The model's Linear layers run the matmul the engine chose for them at start.
-    use_matmul(engine.model, timers.timed(engine.matmul.fn, lambda x, weight, *_: f"matmul, {weight.shape[0]} out features"))
+    use_matmul(
+        engine.model, timers.timed(engine.matmul.fn, lambda x, weight, *_: f"matmul, {weight.shape[0]} out features")
+    )
     timers.wrap(engine.backend, "attend", lambda *_: "attention")
     timers.wrap(engine.backend, "write_kv", lambda *_: "KV cache write")
     timers.wrap(runner_module, "sample", lambda *_: "sampling")
@@ -80,7 +82,7 @@ def main(argv=None) -> None:
         scheduled.append(out)
         return out
 
-    engine.scheduler.schedule = schedule_and_remember
+    engine.scheduler.schedule = schedule_and_remember  # type: ignore[method-assign]
     phases = {"steps with prefill tokens": [0, 0.0, 0], "decode-only steps": [0, 0.0, 0]}
     try:
         for r in requests:
@@ -99,7 +101,7 @@ def main(argv=None) -> None:
     finally:
         timers.restore()
         use_matmul(engine.model, engine.matmul.fn)
-        engine.scheduler.schedule = schedule
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
 
     print(f"workload {spec['name']}, torch threads {args.threads}: {total:.2f} s in all (with timers)")
     print(f"\n{'phase':<40} {'steps':>6} {'seconds':>8} {'tokens':>8} {'ms/step':>8}")

@@ -16,15 +16,21 @@ from pathlib import Path
 
 import torch
 
-from cluster.tools.workloads import load_workload
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
-from cluster.tools.demo_model import DemoModelSpec, ensure_demo_model
 from cluster.engine.llm_engine import LLMEngine
+from cluster.tools.demo_model import DemoModelSpec, ensure_demo_model
+from cluster.tools.workloads import load_workload
 
 # The model the issue names: hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 32000, float32.
 BENCH_SPEC = DemoModelSpec(
-    vocab_size=32000, hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8, num_kv_heads=4,
-    max_position_embeddings=2048, seed=0,
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    max_position_embeddings=2048,
+    seed=0,
 )
 
 
@@ -70,8 +76,13 @@ def _hf_generate(model, batch, max_new_tokens) -> int:
         mask[i, longest - len(r.prompt_token_ids) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     return (out.shape[1] - longest) * len(batch)
 
@@ -101,17 +112,22 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--one-at-a-time", type=int, default=8, help="requests timed for the one-at-a-time baseline (0: skip)")
+    ap.add_argument(
+        "--one-at-a-time", type=int, default=8, help="requests timed for the one-at-a-time baseline (0: skip)"
+    )
     ap.add_argument("--skip-hf", action="store_true", help="engine only (for profiling)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_model(args.model_dir, BENCH_SPEC)
     spec, requests = load_workload(args.workload, BENCH_SPEC.vocab_size)
-    print(f"workload {spec['name']}: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
-          f"{sum(r.output_tokens for r in requests)} output tokens; model hidden {BENCH_SPEC.hidden_size}, "
-          f"{BENCH_SPEC.num_layers} layers, vocab {BENCH_SPEC.vocab_size}, float32; torch threads {args.threads}; "
-          f"{platform.processor() or platform.machine()}")
+    print(
+        f"workload {spec['name']}: {len(requests)} requests, "
+        f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+        f"{sum(r.output_tokens for r in requests)} output tokens; model hidden {BENCH_SPEC.hidden_size}, "
+        f"{BENCH_SPEC.num_layers} layers, vocab {BENCH_SPEC.vocab_size}, float32; torch threads {args.threads}; "
+        f"{platform.processor() or platform.machine()}"
+    )
 
     rows = []
     secs, toks = run_engine(model_dir, requests, args)

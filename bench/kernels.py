@@ -172,33 +172,33 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = 2 * batch * context * kv_heads * head_dim * esize
     name = f"decode (B={batch}, ctx={context})"
 
-    def bw(ms):
+    def bw(ms: float) -> dict[str, float | None]:
         gbps = kv_bytes / ms / 1e6
-        return gbps, (gbps / copy_gbps if copy_gbps else None)
+        return {"gbps": gbps, "of_copy": gbps / copy_gbps if copy_gbps else None}
 
     ref = paged_decode_attention_ref(q, kc, vc, tables, lens, scale, context)
     ms = t(lambda: paged_decode_attention_ref(q, kc, vc, tables, lens, scale, context))
-    rows.append(Row(name, "torch reference", ms, *bw(ms)))
+    rows.append(Row(name, "torch reference", ms, **bw(ms)))
     k_dense, v_dense = gather(kc, tables), gather(vc, tables)
     q4 = q.unsqueeze(2)  # [B, H, 1, D]
     sdpa = lambda: F.scaled_dot_product_attention(q4, k_dense, v_dense, scale=scale, enable_gqa=True)  # noqa: E731
     ms = t(sdpa)
-    rows.append(Row(name, "SDPA (dense K/V)", ms, *bw(ms), err(sdpa().squeeze(2), ref)))
+    rows.append(Row(name, "SDPA (dense K/V)", ms, **bw(ms), max_err=err(sdpa().squeeze(2), ref)))
     del k_dense, v_dense
     # The torch backend's own paths: the compiled CPU decode kernel (float32 CPU) and bucketed SDPA.
     buf = GatherBuffer()
     dec_sdpa = lambda: paged_attention_sdpa(q, kc, vc, tables, [1] * batch, [context] * batch, scale, buf)  # noqa: E731
     ms = t(dec_sdpa)
-    rows.append(Row(name, "torch backend: bucketed SDPA", ms, *bw(ms), err(dec_sdpa(), ref)))
+    rows.append(Row(name, "torch backend: bucketed SDPA", ms, **bw(ms), max_err=err(dec_sdpa(), ref)))
     if cpu_decode.supports(q, kc):
         dec_cpu = lambda: cpu_decode.paged_decode_attention_cpu(q, kc, vc, tables, lens, scale)  # noqa: E731
         ms = t(dec_cpu)
-        rows.append(Row(name, "torch backend: CPU decode kernel", ms, *bw(ms), err(dec_cpu(), ref)))
+        rows.append(Row(name, "torch backend: CPU decode kernel", ms, **bw(ms), max_err=err(dec_cpu(), ref)))
     if not args.torch_only:
         out = torch.empty_like(q)
         dec = lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, context, out=out)  # noqa: E731
         ms = t(dec)
-        rows.append(Row(name, "triton", ms, *bw(ms), err(dec(), ref)))
+        rows.append(Row(name, "triton", ms, **bw(ms), max_err=err(dec(), ref)))
     del kc, vc
 
     # ---- prefill: p_seqs chunks of p_query new tokens after a cached prefix ----
@@ -229,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
     interp = device == "cpu" and not args.torch_only
     where = torch.cuda.get_device_name() if device == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores"
-    mode = "torch only" if args.torch_only else ("TRITON_INTERPRET=1 (Triton times are interpreter times)" if interp else "native Triton")
+    mode = (
+        "torch only"
+        if args.torch_only
+        else ("TRITON_INTERPRET=1 (Triton times are interpreter times)" if interp else "native Triton")
+    )
     print(
         f"device: {device} ({where}); torch {torch.__version__}; dtype {str(dtype).removeprefix('torch.')}; "
         f"heads {num_heads}/{kv_heads} x {head_dim}; block {bs}; "
@@ -241,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
-        print(f"| {r.kernel} | {r.impl} | {r.ms:.3f} | {fmt(r.gbps, '.3g')} | {fmt(r.of_copy, '.2f')} | {fmt(r.max_err, '.1e')} |")
+        print(
+            f"| {r.kernel} | {r.impl} | {r.ms:.3f} | {fmt(r.gbps, '.3g')} | {fmt(r.of_copy, '.2f')} "
+            f"| {fmt(r.max_err, '.1e')} |"
+        )
     return 0
 
 

@@ -98,7 +98,9 @@ def run_sender(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         lease = lease_from_line(line)
         with lock:
-            src = pool.allocate(lease.num_blocks)[::-1]
+            allocated = pool.allocate(lease.num_blocks)
+        assert allocated is not None, "the sender's pool is sized for the largest transfer"
+        src = allocated[::-1]
         res = sender.send(lease, src)
         print(
             json.dumps({"event": "sent", "seconds": res.seconds, "nbytes": res.nbytes, "transport": res.transport}),
@@ -134,6 +136,7 @@ class SenderProcess:
         self.read("started")
 
     def read(self, name: str) -> dict:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("{"):
                 ev = json.loads(line)
@@ -145,6 +148,7 @@ class SenderProcess:
         blocks = pool.allocate(num_blocks)
         assert blocks is not None
         lease = receiver.open_lease("bench", blocks, ttl_s=600)
+        assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(lease_to_line(lease) + "\n")
             self.proc.stdin.flush()
@@ -156,7 +160,8 @@ class SenderProcess:
         return ev
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         self.proc.wait(30)
 
 
@@ -187,7 +192,7 @@ def main() -> None:
     base = {mb: time_copy(mb, args.repeats) for mb in sizes}
     gs = {mb: time_gather_scatter(n, args.repeats) for mb, n in sizes.items()}
 
-    rows = []
+    rows: list[tuple[int, str, float | None, str]] = []
     for mb in sizes:
         rows.append((mb, "copy (in-process)", base[mb], ""))
         rows.append((mb, "gather+scatter (in-process)", gs[mb], ""))

@@ -26,6 +26,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from cluster.engine.host_memory import ARENA_ENV
 from cluster.serving.autoscaling import serve_autoscaling_config
 from cluster.serving.config import PoolConfig, ServeConfig
 from cluster.serving.messages import PrefillResult, PrefillTask, ReplicaStats
@@ -81,7 +82,7 @@ def node_ip() -> str:
 class PrefillServer:
     """The prefill pool's deployment: a ``PrefillWorker`` and Serve's hooks."""
 
-    async def __init__(self, config: ServeConfig, model_dir: str, board, num_threads: int):
+    async def __init__(self, config: ServeConfig, model_dir: str, board, num_threads: int):  # type: ignore[misc]
         self.worker = await PrefillWorker.start(config, model_dir, board, replica_id(), num_threads)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -106,7 +107,7 @@ class PrefillServer:
 class DecodeServer:
     """The decode pool's deployment: a ``DecodeWorker`` and the HTTP edge in front of it, one process."""
 
-    async def __init__(self, config: ServeConfig, model_dir: str, prefill, board, num_threads: int):
+    async def __init__(self, config: ServeConfig, model_dir: str, prefill, board, num_threads: int):  # type: ignore[misc]
         kv_host = node_ip() if prefill is not None and config.kv_transfer_host is None else None
         self.worker = await DecodeWorker.start(config, model_dir, prefill, board, replica_id(), num_threads, kv_host)
         self.edge = OpenAIServer(config, model_dir, self.worker, board, disaggregated=prefill is not None)
@@ -143,8 +144,14 @@ def cluster_resources() -> tuple[float, float]:
     return float(os.cpu_count() or 1), float(torch.cuda.device_count())
 
 
-def _pool_options(name: str, pool: PoolConfig, placed: PoolPlacement, config: ServeConfig, router_cls: type) -> dict[str, Any]:
+def _pool_options(
+    name: str, pool: PoolConfig, placed: PoolPlacement, config: ServeConfig, router_cls: type
+) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": placed.num_cpus, "num_gpus": placed.num_gpus}
+    if config.resolved_device() == "cpu":
+        # The engine runs on a thread of a process Ray has already filled with threads: one malloc arena
+        # from the start, or its activations are mmapped afresh every step (cluster.engine.host_memory).
+        actor["runtime_env"] = {"env_vars": dict(ARENA_ENV)}
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     opts: dict[str, Any] = {
@@ -152,10 +159,10 @@ def _pool_options(name: str, pool: PoolConfig, placed: PoolPlacement, config: Se
         "ray_actor_options": actor,
         "max_ongoing_requests": pool.max_ongoing_requests,
         "request_router_config": RequestRouterConfig(
-            request_router_class=router_cls,
+            request_router_class=router_cls,  # type: ignore[arg-type]  # Serve accepts the class or its import path
             request_router_kwargs={"block_size": config.block_size},
-            request_routing_stats_period_s=config.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(1.0, 4 * config.routing_stats_period_s),
+            request_routing_stats_period_s=config.routing_stats_period_s,  # type: ignore[arg-type]
+            request_routing_stats_timeout_s=max(1.0, 4 * config.routing_stats_period_s),  # type: ignore[arg-type]
         ),
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 10.0,
@@ -164,13 +171,17 @@ def _pool_options(name: str, pool: PoolConfig, placed: PoolPlacement, config: Se
         "graceful_shutdown_timeout_s": config.timeouts.request_timeout_s,
     }
     if pool.autoscaling is not None:
-        opts["autoscaling_config"] = serve_autoscaling_config("prefill" if "Prefill" in name else "decode", pool.autoscaling)
+        opts["autoscaling_config"] = serve_autoscaling_config(
+            "prefill" if "Prefill" in name else "decode", pool.autoscaling
+        )
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts
 
 
-def build_app(config: ServeConfig, model_dir: str | None = None, placement: Placement | None = None) -> serve.Application:
+def build_app(
+    config: ServeConfig, model_dir: str | None = None, placement: Placement | None = None
+) -> serve.Application:
     """The whole Serve graph for ``config``; ``model_dir`` overrides ``config.model`` (the demo model is built
     into the cache dir when neither is given); ``placement`` defaults to ``place_pools`` on the cluster's
     resources and is logged."""
@@ -183,22 +194,18 @@ def build_app(config: ServeConfig, model_dir: str | None = None, placement: Plac
     if placement is None:
         placement = place_pools(config, *cluster_resources())
     log.info(describe(placement))
-    board = (
-        serve.deployment(PoolBoard)
-        .options(name="PoolBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-        .bind(stale_after_s=max(3.0, 6 * config.routing_stats_period_s))
-    )
+    board = serve.deployment(
+        name="PoolBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+    )(PoolBoard).bind(stale_after_s=max(3.0, 6 * config.routing_stats_period_s))
     prefill = None
     if placement.prefill is not None:
-        prefill = (
-            serve.deployment(PrefillServer)
-            .options(**_pool_options("PrefillWorker", config.prefill, placement.prefill, config, PrefillRequestRouter))
-            .bind(config, model_dir, board, placement.prefill.num_threads)
+        options = _pool_options("PrefillWorker", config.prefill, placement.prefill, config, PrefillRequestRouter)
+        prefill = serve.deployment(**options)(PrefillServer).bind(
+            config, model_dir, board, placement.prefill.num_threads
         )
-    return (
-        serve.deployment(DecodeServer)
-        .options(**_pool_options("DecodeWorker", config.decode, placement.decode, config, DecodeRequestRouter))
-        .bind(config, model_dir, prefill, board, placement.decode.num_threads)
+    options = _pool_options("DecodeWorker", config.decode, placement.decode, config, DecodeRequestRouter)
+    return serve.deployment(**options)(DecodeServer).bind(
+        config, model_dir, prefill, board, placement.decode.num_threads
     )
 
 

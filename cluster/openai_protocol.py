@@ -87,7 +87,8 @@ class _CommonRequest(BaseModel):
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    #: A text or token ids; a list of one prompt (``["text"]``, ``[[ids]]``) is unwrapped.
+    prompt: str | list[int]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -99,9 +100,9 @@ class CompletionRequest(_CommonRequest):
             raise ValueError("echo is not supported")
         return v
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, v: Any) -> str | list[int]:
+    def _single_prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError("one prompt per request is supported; send a batch as separate requests")
@@ -196,7 +197,9 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Bytes -> validated request model; APIError(400) on malformed JSON or bad fields."""
-    too_deep = APIError(400, "request body is nested too deeply; no field of this API nests that far", code="invalid_json")
+    too_deep = APIError(
+        400, "request body is nested too deeply; no field of this API nests that far", code="invalid_json"
+    )
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

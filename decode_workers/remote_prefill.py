@@ -1,6 +1,6 @@
 """One REMOTE request's prefill on the decode side, owned by one object from reservation to the end.
 
-    prefill = RemotePrefill(task, worker)
+    prefill = RemotePrefill(task, worker, receiver)
     try:
         if await prefill.reserve():          # blocks for the whole prompt, past our prefix-cache hits
             await prefill.run()              # attempts on prefill replicas; install the KV, or prefill locally
@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
-from cluster.engine.llm_engine import RemoteKVReservation
+from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation
 from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Route
-from kv_transfer import Lease, LeaseState
+from kv_transfer import KVReceiver, Lease, LeaseState
 
 if TYPE_CHECKING:
     from decode_workers.replica import DecodeWorker
@@ -32,9 +33,10 @@ log = logging.getLogger("ray.serve")
 
 
 class RemotePrefill:
-    def __init__(self, task: GenerateTask, worker: DecodeWorker):
+    def __init__(self, task: GenerateTask, worker: DecodeWorker, receiver: KVReceiver):
         self.task = task
         self.worker = worker
+        self.receiver = receiver
         self.reservation: RemoteKVReservation | None = None
         self.lease: Lease | None = None
 
@@ -64,8 +66,7 @@ class RemotePrefill:
                 self.worker.count(prefill_retries=1)
             result = await self._attempt(attempt)
             if result is not None:
-                first, logprob = result.first_token_id, result.first_logprob
-                await self.worker.engine.call(lambda e: e.complete_remote_kv(self.task.request_id, first, logprob))
+                await self.worker.engine.call(partial(_install, self.task.request_id, result))
                 return Route.REMOTE
         self.worker.count(local_fallbacks=1)
         await self.worker.engine.call(lambda e: e.fallback_to_local_prefill(self.task.request_id))
@@ -76,7 +77,7 @@ class RemotePrefill:
         task, worker = self.task, self.worker
         assert self.reservation is not None
         skip = self.reservation.num_cached_tokens // worker.block_size
-        lease = self.lease = worker.receiver.open_lease(task.request_id, self.reservation.block_ids[skip:], skip)
+        lease = self.lease = self.receiver.open_lease(task.request_id, self.reservation.block_ids[skip:], skip)
         deadline = min(task.deadline, time.time() + worker.config.timeouts.prefill_timeout_s)
         ptask = PrefillTask(
             task.request_id, task.prompt_token_ids, task.params, deadline, lease, task.block_hashes, attempt
@@ -85,7 +86,7 @@ class RemotePrefill:
         response = worker.prefill.prefill.remote(ptask)
         try:
             result: PrefillResult = await asyncio.wait_for(response, timeout=max(0.0, deadline - time.time()))
-            outcome = worker.receiver.outcome(lease.lease_id)
+            outcome = self.receiver.outcome(lease.lease_id)
             if outcome is None or outcome.state != LeaseState.COMPLETED:
                 raise RuntimeError(f"the prefill replica answered but lease {lease.lease_id} is {outcome}")
         except asyncio.CancelledError:
@@ -112,4 +113,9 @@ class RemotePrefill:
         """Ends the open lease, if any: after this returns no sender writes into the blocks. Idempotent."""
         lease, self.lease = self.lease, None
         if lease is not None:
-            self.worker.receiver.abort(lease.lease_id, "the decode replica gave up on this transfer")
+            self.receiver.abort(lease.lease_id, "the decode replica gave up on this transfer")
+
+
+def _install(request_id: str, result: PrefillResult, engine: LLMEngine) -> None:
+    """On the engine thread: the KV is in place; decode continues after the prefill's first token."""
+    engine.complete_remote_kv(request_id, result.first_token_id, result.first_logprob)

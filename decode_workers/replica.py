@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.serving.async_engine import AsyncEngine
@@ -82,7 +82,7 @@ class DecodeWorker:
 
     # ---- the request ----------------------------------------------------------------------
 
-    async def generate(self, task: GenerateTask) -> AsyncIterator[Started | tuple[RequestOutput, ...]]:
+    async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
         """``Started`` once the request is in the engine, then its outputs, a batch at a time (all that arrived
         since the consumer last asked: one write to the client), until the finished one. Raises TimeoutError
         past the task's deadline; the request's blocks are freed however it ends."""
@@ -91,7 +91,9 @@ class DecodeWorker:
         deadline = asyncio.get_running_loop().call_later(
             max(0.0, task.time_left()), stream.put, TimeoutError(f"request {rid} passed its deadline")
         )
-        remote = RemotePrefill(task, self) if task.route is Route.REMOTE and self.prefill is not None else None
+        remote = None
+        if task.route is Route.REMOTE and self.prefill is not None and self.receiver is not None:
+            remote = RemotePrefill(task, self, self.receiver)
         try:
             if remote is not None and await remote.reserve():
                 yield Started(Route.REMOTE, self.replica_id)
@@ -147,4 +149,3 @@ class DecodeWorker:
         if self.receiver is not None:
             self.receiver.close()
         self.engine.shutdown()
-

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,8 @@ class PairGroup:
         self._staging: torch.Tensor | None = None
         prefixed = dist.PrefixStore(f"kvpair/{pair_id}/", store)
         timeout = datetime.timedelta(seconds=op_timeout_s)
+        # Either backend's group; send/recv are the collective API both share.
+        self.pg: Any
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
         elif backend == "nccl":

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import grpc
+import torch.distributed as dist
 
 from kv_transfer import collective, rpc, wire
 from kv_transfer.errors import LayoutMismatchError, StaleGroupError, TransportError
@@ -41,7 +42,7 @@ class ReceiverService:
         self.transports = supported_transports(receiver.device)
         self.address = ""
         self._server: grpc.Server | None = None
-        self._store = None
+        self._store: dist.Store | None = None
         self._store_addr = ""
         #: Collective groups by pair id, least recently used first (senders that died idle age out).
         self._groups: OrderedDict[str, collective.PairGroup] = OrderedDict()
@@ -114,6 +115,8 @@ class ReceiverService:
                 f"receiver {self.receiver.receiver_id} does not offer {msg.backend!r} (offers {list(self.transports)})"
             )
         cfg = self.config
+        if self._store is None:  # not offered without a store; a sender asking anyway gets a clear error
+            raise TransportError(f"receiver {self.receiver.receiver_id} has no store for collective transports")
         group = collective.make_group(
             msg.pair_id,
             msg.backend,

@@ -278,12 +278,9 @@ class CollectiveTransport:
                 raise TransportError(f"{self.backend} send of lease {lease.lease_id} ran past its deadline") from None
             except Exception:
                 group.close()
-                if (
-                    sending.done()
-                    and sending.exception() is not None
-                    and not isinstance(sending.exception(), TransportError)
-                ):
-                    raise sending.exception() from None  # e.g. LeaseEndedError from our own gather
+                failure = sending.exception() if sending.done() else None
+                if failure is not None and not isinstance(failure, TransportError):
+                    raise failure from None  # e.g. LeaseEndedError from our own gather
                 raise
         if reply.num_blocks != lease.num_blocks:
             raise TransportError(f"receiver took {reply.num_blocks} of {lease.num_blocks} blocks")
@@ -331,7 +328,9 @@ class NcclTransport(CollectiveTransport):
     backend = "nccl"
 
 
-TRANSPORTS: dict[str, type] = {cls.name: cls for cls in (NcclTransport, GlooTransport, GrpcTransport)}
+TRANSPORTS: dict[str, type[GrpcTransport] | type[CollectiveTransport]] = {
+    cls.name: cls for cls in (NcclTransport, GlooTransport, GrpcTransport)
+}
 
 
 def supported_transports(device: torch.device) -> tuple[str, ...]:

@@ -41,7 +41,7 @@ class TensorPayload:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> TensorPayload:
         t = t.detach().to("cpu").contiguous()
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else b""
         return cls(dtype_name(t.dtype), tuple(t.shape), data)
 
     @property

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Protocol
@@ -66,7 +66,7 @@ class GenerationBackend(Protocol):
 
     replica_id: str
 
-    def generate(self, task: GenerateTask) -> AsyncIterator[Started | tuple[RequestOutput, ...]]:
+    def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
         """``Started``, then batches of outputs until the finished one; closing it aborts the request."""
 
     def check_health(self) -> None:
@@ -257,7 +257,12 @@ class OpenAIServer:
             return APIError(504, "the request passed its deadline", "timeout_error", code="timeout")
         log.warning("decode worker failed: %r", e)
         self.metrics.errors.labels("503").inc()
-        return APIError(503, f"the decode worker could not serve the request: {type(e).__name__}", "server_error", code="unavailable")
+        return APIError(
+            503,
+            f"the decode worker could not serve the request: {type(e).__name__}",
+            "server_error",
+            code="unavailable",
+        )
 
 
 class RequestRun:
@@ -301,7 +306,7 @@ class RequestRun:
         self.timing.started = time.monotonic()
         return first
 
-    async def batches(self) -> AsyncIterator[Sequence[RequestOutput]]:
+    async def batches(self) -> AsyncGenerator[Sequence[RequestOutput], None]:
         """The request's outputs a step at a time; always ends the stream, the ticket and the metrics."""
         outcome = "error"
         try:
@@ -310,7 +315,9 @@ class RequestRun:
                 last = batch[-1]
                 if last.error is not None:  # the engine failed on this request (only this one)
                     self.s.metrics.errors.labels("500").inc()
-                    raise APIError(500, f"the engine failed while generating this request: {last.error}", "server_error")
+                    raise APIError(
+                        500, f"the engine failed while generating this request: {last.error}", "server_error"
+                    )
                 self.s.metrics.observe_token(self.timing, time.monotonic(), sum(len(o.new_token_ids) for o in batch))
                 self.num_output = last.num_output_tokens
                 self.num_cached = last.num_cached_tokens

@@ -19,12 +19,19 @@ DONE = b"data: [DONE]\n\n"
 
 
 class Output(Protocol):
-    """What the edge reads of an engine ``RequestOutput``."""
+    """What the edge reads of an engine ``RequestOutput`` (read-only)."""
 
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    new_logprobs: tuple[float, ...]
-    finish_reason: str | None
+    @property
+    def new_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def new_text(self) -> str: ...
+
+    @property
+    def new_logprobs(self) -> tuple[float, ...]: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:

@@ -10,16 +10,24 @@ from cluster.engine.request import Request
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def make_request(request_id: str = "r0", num_prompt_tokens: int = 8, max_tokens: int = 16, prompt=None, **params) -> Request:
+def make_request(
+    request_id: str = "r0", num_prompt_tokens: int = 8, max_tokens: int = 16, prompt=None, **params
+) -> Request:
     prompt = list(prompt) if prompt is not None else list(range(10, 10 + num_prompt_tokens))
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))
+    return Request(
+        request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
+    )
 
 
-def engine_config(model, *, block_size=16, num_blocks=256, budget=2048, max_seqs=64, prefix=True, chunk=None, **kw) -> EngineConfig:
+def engine_config(
+    model, *, block_size=16, num_blocks=256, budget=2048, max_seqs=64, prefix=True, chunk=None, **kw
+) -> EngineConfig:
     return EngineConfig(
         model=str(model),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=chunk),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=chunk
+        ),
         **kw,
     )
 

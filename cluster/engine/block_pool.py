@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from cluster.prefix_hash import BlockHash
 
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -123,7 +124,7 @@ class BlockPool:
         keeps its first block: the duplicate stays unhashed and is freed normally."""
         if not self.enable_prefix_caching:
             return
-        for block_id, h in zip(block_ids, block_hashes):
+        for block_id, h in zip(block_ids, block_hashes, strict=False):
             block = self.blocks[block_id]
             if block.block_hash is not None or h in self._by_hash:
                 continue

@@ -47,7 +47,9 @@ def has_native(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
     return any(f in (cpu_flags() if flags is None else flags) for f in wanted)
 
 
-def slowdown_vs_float32(dtype: torch.dtype, matmul=F.linear, rows: int = 64, size: int = 512, repeats: int = 3) -> float:
+def slowdown_vs_float32(
+    dtype: torch.dtype, matmul=F.linear, rows: int = 64, size: int = 512, repeats: int = 3
+) -> float:
     """Measured time of a ``dtype`` matmul / the same float32 matmul (best of ``repeats``; ~50 ms)."""
     g = torch.Generator().manual_seed(0)
     x32, w32 = torch.randn(rows, size, generator=g), torch.randn(size, size, generator=g)
@@ -73,7 +75,9 @@ def advise_dtype(dtype: torch.dtype, matmul=F.linear) -> str:
     name = str(dtype).removeprefix("torch.")
     native = " or ".join(f.upper().replace("_", "-") for f in NATIVE_FLAGS[dtype])
     ratio = slowdown_vs_float32(dtype, matmul)
-    message = f"this CPU has no native {name} matmuls (no {native}): they run emulated, {ratio:.1f}x the time of float32"
+    message = (
+        f"this CPU has no native {name} matmuls (no {native}): they run emulated, {ratio:.1f}x the time of float32"
+    )
     if ratio > 1.2:
         message += "; --dtype float32 is faster here (it takes twice the memory)"
     log.warning(message)

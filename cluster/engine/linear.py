@@ -59,7 +59,8 @@ def _probe(candidate: Matmul, dtype: torch.dtype, device: torch.device) -> str:
                 for b in (None, bias):
                     got = candidate(x, weight, b).float()
                     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-                    if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max()):
+                    atol = tol * float(want.abs().max())
+                    if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=atol):
                         return "its results differ from F.linear's"
     except Exception as e:  # noqa: BLE001 - any failure means: not usable on this CPU/build
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
@@ -94,7 +95,7 @@ class Linear(nn.Linear):
     """Same parameters and state-dict names as ``nn.Linear``; forward through ``self.matmul``
     (``F.linear`` until the engine sets the one chosen for its dtype and device)."""
 
-    matmul: Matmul = staticmethod(F.linear)  # type: ignore[assignment]
+    matmul: Matmul = staticmethod(F.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)

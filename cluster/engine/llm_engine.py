@@ -12,14 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import EngineConfig, ModelConfig, SamplingParams
+from cluster.dtypes import torch_dtype
 from cluster.engine.attention import get_attention_backend
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
-from cluster.dtypes import torch_dtype
 from cluster.engine.kv_cache import allocate_kv_cache
-from cluster.kv_layout import KVLayout, num_blocks_for_memory
 from cluster.engine.linear import choose_matmul, use_matmul
 from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.request import Request, RequestStatus
@@ -27,6 +26,7 @@ from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError
+from cluster.kv_layout import KVLayout, num_blocks_for_memory
 from cluster.prompting import check_prompt
 from cluster.tokenizer import load_tokenizer
 
@@ -148,7 +148,9 @@ class LLMEngine:
         """Drops a held request and its blocks. Idempotent."""
         self.abort_request(request_id)
 
-    def reserve_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RemoteKVReservation | None:
+    def reserve_remote_kv(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RemoteKVReservation | None:
         req = self._admit(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve_remote(req):
             del self.requests[request_id]
@@ -189,7 +191,9 @@ class LLMEngine:
     ) -> tuple[SchedulerOutput, RunnerOutput, list[RequestOutput]]:
         """A step that raised is run again request by request: only the requests that fail alone fail
         (they end with an error output and free their blocks); the others get this step's tokens."""
-        log.warning("an engine step of %d requests failed (%r); running them one by one", len(sched_out.scheduled), error)
+        log.warning(
+            "an engine step of %d requests failed (%r); running them one by one", len(sched_out.scheduled), error
+        )
         kept, sampled, failed = [], {}, []
         for s in sched_out.scheduled:
             try:
@@ -220,7 +224,9 @@ class LLMEngine:
             error=f"{type(error).__name__}: {error}",
         )
 
-    def _postprocess(self, sched_out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]) -> list[RequestOutput]:
+    def _postprocess(
+        self, sched_out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]
+    ) -> list[RequestOutput]:
         self.scheduler.update_after_step(sched_out)
         fresh = []
         for s in sched_out.scheduled:
@@ -308,15 +314,18 @@ class LLMEngine:
         """Runs prompts to completion; returns per prompt {token_ids, text, finish_reason, logprobs}."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
+        for rid, prompt, p in zip(ids, prompts, plist, strict=False):
             self.add_request(rid, prompt, p)
-        results = {rid: {"token_ids": [], "text": "", "finish_reason": None, "logprobs": []} for rid in ids}
+        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
         while self.has_unfinished_requests():
             for out in self.step():
-                r = results[out.request_id]
-                r["token_ids"].extend(out.new_token_ids)
-                r["text"] += out.new_text
-                r["logprobs"].extend(out.new_logprobs)
-                if out.finished:
-                    r["finish_reason"] = out.finish_reason
-        return [results[rid] for rid in ids]
+                outputs[out.request_id].append(out)
+        return [
+            {
+                "token_ids": [t for o in outputs[rid] for t in o.new_token_ids],
+                "text": "".join(o.new_text for o in outputs[rid]),
+                "finish_reason": outputs[rid][-1].finish_reason if outputs[rid] else None,
+                "logprobs": [lp for o in outputs[rid] for lp in o.new_logprobs],
+            }
+            for rid in ids
+        ]

@@ -57,6 +57,8 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 

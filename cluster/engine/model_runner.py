@@ -25,7 +25,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int, device):
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int, device
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -37,15 +39,19 @@ class ModelRunner:
         reqs = [s.request for s in out.scheduled]
         qlens = [s.num_tokens for s in out.scheduled]
         starts = [r.num_computed_tokens for r in reqs]
-        seq_lens = [s + q for s, q in zip(starts, qlens)]
+        seq_lens = [s + q for s, q in zip(starts, qlens, strict=False)]
         token_ids = np.fromiter(
-            (t for r, s, n in zip(reqs, starts, seq_lens) for t in r.tokens(s, n)), dtype=np.int64, count=sum(qlens)
+            (t for r, s, n in zip(reqs, starts, seq_lens, strict=True) for t in r.tokens(s, n)),
+            dtype=np.int64,
+            count=sum(qlens),
         )
         # positions: start..start+qlen-1 for every request, vectorized via repeat + a running offset.
         qlens_np = np.asarray(qlens, dtype=np.int64)
         cu = np.zeros(len(qlens) + 1, dtype=np.int64)
         np.cumsum(qlens_np, out=cu[1:])
-        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - np.asarray(starts, dtype=np.int64), qlens_np)
+        positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(
+            cu[:-1] - np.asarray(starts, dtype=np.int64), qlens_np
+        )
         max_blocks = max(len(r.block_ids) for r in reqs)
         block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
         for i, r in enumerate(reqs):
@@ -77,6 +83,5 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_rows[sampling]])
         reqs = [out.scheduled[i].request for i in sampling]
         result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        return RunnerOutput(
-            {r.request_id: (t, lp) for r, t, lp in zip(reqs, result.token_ids, result.logprobs)}
-        )
+        rows = zip(reqs, result.token_ids, result.logprobs, strict=True)
+        return RunnerOutput({r.request_id: (t, lp) for r, t, lp in rows})

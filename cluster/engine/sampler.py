@@ -23,7 +23,9 @@ class SamplerOutput:
     logprobs: list[float | None]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> SamplerOutput:
     """logits: [batch, vocab] float32, one row per request. Does not modify ``logits``."""
     batch, vocab = logits.shape
     greedy = [p.greedy for p in params]
@@ -37,7 +39,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if wants:
         rows = torch.tensor(wants)
         lp = torch.log_softmax(logits[rows], dim=-1).gather(1, chosen[rows, None]).squeeze(1).tolist()
-        for i, v in zip(wants, lp):
+        for i, v in zip(wants, lp, strict=False):
             logprobs[i] = v
     return SamplerOutput(token_ids, logprobs)
 
@@ -50,7 +52,9 @@ def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
 
 def _sample_random(logits, params, generators, greedy) -> torch.Tensor:
     batch, vocab = logits.shape
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32)
+    temps = torch.tensor(
+        [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], dtype=torch.float32
+    )
     scaled = logits / temps[:, None]
     # A top_k above the vocabulary keeps every token (and must not overflow the int64 tensor below).
     top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]

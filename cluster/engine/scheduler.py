@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_pool import BlockPool
-from cluster.prefix_hash import hash_block, hash_full_blocks
 from cluster.engine.request import Request, RequestStatus
+from cluster.prefix_hash import hash_block, hash_full_blocks
 
 
 @dataclass(frozen=True)
@@ -242,5 +242,7 @@ class Scheduler:
             parent = hash_block(parent, req.tokens(i * self.block_size, (i + 1) * self.block_size))
             new_hashes.append(parent)
         req.block_hashes.extend(new_hashes)
-        self.pool.cache_blocks(req.block_ids[req.num_hashed_blocks : full], req.block_hashes[req.num_hashed_blocks : full])
+        self.pool.cache_blocks(
+            req.block_ids[req.num_hashed_blocks : full], req.block_hashes[req.num_hashed_blocks : full]
+        )
         req.num_hashed_blocks = full

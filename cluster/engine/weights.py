@@ -28,7 +28,9 @@ _RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {str(path)!r}; convert .bin checkpoints to safetensors first")
+        raise ModelLoadError(
+            f"no *.safetensors weights in {str(path)!r}; convert .bin checkpoints to safetensors first"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
@@ -66,7 +68,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device 
         raise ModelLoadError(f"checkpoint in {cfg.path!r} lacks tensors {sorted(missing)[:5]} (of {len(missing)})")
     unexpected = state.keys() - expected
     if unexpected:
-        raise ModelLoadError(f"checkpoint in {cfg.path!r} has tensors this architecture does not use: {sorted(unexpected)[:5]}")
+        raise ModelLoadError(
+            f"checkpoint in {cfg.path!r} has tensors this architecture does not use: {sorted(unexpected)[:5]}"
+        )
     for name, tensor in state.items():
         if tuple(model.state_dict()[name].shape) != tuple(tensor.shape):
             raise ModelLoadError(

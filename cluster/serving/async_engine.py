@@ -113,7 +113,9 @@ class AsyncEngine:
         stream = self._streams[request_id] = OutputStream(request_id)
         return stream
 
-    async def add_request(self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False) -> OutputStream:
+    async def add_request(
+        self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False
+    ) -> OutputStream:
         stream = self.open_stream(request_id)
         try:
             await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish))

@@ -183,7 +183,9 @@ class ServeConfig(_Frozen):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def engine_config(self, pool: Literal["prefill", "decode"], model_dir: str, num_threads: int | None = None) -> EngineConfig:
+    def engine_config(
+        self, pool: Literal["prefill", "decode"], model_dir: str, num_threads: int | None = None
+    ) -> EngineConfig:
         """The engine config of one pool's replica (plain frozen dataclass, validated). ``num_threads`` is the
         placement's choice when the pool config leaves it unset."""
         p: PoolConfig = getattr(self, pool)

@@ -12,7 +12,6 @@ Each ``RouterMetrics`` owns its registry (no process-global default registry).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -61,16 +60,26 @@ class PoolStatsCollector:
             lambda s: s.engine.prefix_hits / s.engine.prefix_queries if s.engine.prefix_queries else 0.0,
         )
         yield counter("pool_preemptions", "Requests preempted by recompute", lambda s: s.engine.preemptions)
-        yield gauge("pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.engine.queued_prefill_tokens)
+        yield gauge(
+            "pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.engine.queued_prefill_tokens
+        )
         yield gauge("batch_num_seqs", "Sequences in the last step", lambda s: s.engine.geometry.num_seqs)
         yield gauge("batch_num_tokens", "Tokens computed in the last step", lambda s: s.engine.geometry.num_tokens)
         yield gauge(
-            "batch_prefill_fraction", "Prompt share of the last step's tokens", lambda s: s.engine.geometry.prefill_fraction
+            "batch_prefill_fraction",
+            "Prompt share of the last step's tokens",
+            lambda s: s.engine.geometry.prefill_fraction,
         )
-        yield gauge("batch_length_cv", "Coefficient of variation of running lengths", lambda s: s.engine.geometry.length_cv)
-        yield gauge("batch_max_min_ratio", "Longest / shortest running sequence", lambda s: s.engine.geometry.max_min_ratio)
         yield gauge(
-            "batch_kv_footprint_bytes", "KV bytes held by running sequences", lambda s: s.engine.geometry.kv_footprint_bytes
+            "batch_length_cv", "Coefficient of variation of running lengths", lambda s: s.engine.geometry.length_cv
+        )
+        yield gauge(
+            "batch_max_min_ratio", "Longest / shortest running sequence", lambda s: s.engine.geometry.max_min_ratio
+        )
+        yield gauge(
+            "batch_kv_footprint_bytes",
+            "KV bytes held by running sequences",
+            lambda s: s.engine.geometry.kv_footprint_bytes,
         )
         fmt = GaugeMetricFamily(
             "shapeserve_pool_kv_format_info", "KV page format each replica serves", labels=[*labels, "dtype"]
@@ -80,12 +89,18 @@ class PoolStatsCollector:
         yield fmt
         yield counter("kv_transfers", "KV transfers completed", lambda s: s.transfers.transfers)
         yield counter("kv_transfer_bytes", "KV bytes moved between pools", lambda s: s.transfers.transfer_bytes)
-        yield counter("kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfers.transfer_seconds)
         yield counter(
-            "kv_transfer_failures", "Failed or timed-out KV transfers / prefills", lambda s: s.transfers.transfer_failures
+            "kv_transfer_seconds", "Seconds spent in KV transfers (sum)", lambda s: s.transfers.transfer_seconds
+        )
+        yield counter(
+            "kv_transfer_failures",
+            "Failed or timed-out KV transfers / prefills",
+            lambda s: s.transfers.transfer_failures,
         )
         yield counter("prefill_retries", "Prefills retried on another replica", lambda s: s.transfers.prefill_retries)
-        yield counter("local_prefill_fallbacks", "Remote prefills that fell back to local", lambda s: s.transfers.local_fallbacks)
+        yield counter(
+            "local_prefill_fallbacks", "Remote prefills that fell back to local", lambda s: s.transfers.local_fallbacks
+        )
 
 
 @dataclass

@@ -45,7 +45,9 @@ def place_pools(config: ServeConfig, cluster_cpus: float, cluster_gpus: float) -
     """Where the pools go on a cluster with these resources (Ray's ``cluster_resources()``)."""
     if cluster_gpus > 0:
         disaggregated = config.disaggregation != "off"
-        why = f"{cluster_gpus:g} GPUs: one GPU per pool replica" + ("" if disaggregated else ", no prefill pool (disaggregation: off)")
+        why = f"{cluster_gpus:g} GPUs: one GPU per pool replica" + (
+            "" if disaggregated else ", no prefill pool (disaggregation: off)"
+        )
         decode = _pool(config.decode, default_cpus=1.0, num_gpus=1.0)
         prefill = _pool(config.prefill, default_cpus=1.0, num_gpus=1.0) if disaggregated else None
         return Placement(decode, prefill, why)

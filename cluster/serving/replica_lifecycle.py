@@ -20,7 +20,7 @@ MAX_BLOCKS_FOR_INTEGRITY_CHECK = 16384
 
 class ReplicaReporter:
     """Sends the replica's ``ReplicaStats`` to the pool board every ``period_s`` (with a block-pool
-    integrity check on small pools); a board restart never stops the replica."""
+    integrity check on small idle pools); a board restart never stops the replica."""
 
     def __init__(self, engine: AsyncEngine, board: Any, stats: Callable[[], ReplicaStats], period_s: float):
         self.engine = engine
@@ -31,7 +31,9 @@ class ReplicaReporter:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def start(cls, engine: AsyncEngine, board: Any, stats: Callable[[], ReplicaStats], period_s: float) -> ReplicaReporter:
+    def start(
+        cls, engine: AsyncEngine, board: Any, stats: Callable[[], ReplicaStats], period_s: float
+    ) -> ReplicaReporter:
         reporter = cls(engine, board, stats, period_s)
         reporter._task = asyncio.get_running_loop().create_task(reporter._run())
         return reporter
@@ -39,7 +41,9 @@ class ReplicaReporter:
     async def _run(self) -> None:
         while True:
             try:
-                if self.engine.engine.kv_layout.num_blocks <= MAX_BLOCKS_FOR_INTEGRITY_CHECK:
+                # The check walks every block on the engine thread: only while it has nothing to run.
+                idle = self.engine.stats().active_requests == 0
+                if idle and self.engine.engine.kv_layout.num_blocks <= MAX_BLOCKS_FOR_INTEGRITY_CHECK:
                     self.integrity_ok = await self.engine.check_integrity()
                 await self.board.report.remote(self.stats())
             except Exception as e:  # noqa: BLE001

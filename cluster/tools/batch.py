@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 from pydantic import BaseModel
 
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ShapeserveError
-from cluster.prompting import encode_chat, encode_prompt
 from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -30,8 +29,9 @@ from cluster.openai_protocol import (
     response_envelope,
     usage,
 )
+from cluster.prompting import encode_chat, encode_prompt
 
-_ENDPOINTS: dict[str, tuple[str, type[BaseModel]]] = {
+_ENDPOINTS: dict[str, tuple[Literal["completion", "chat"], type[BaseModel]]] = {
     "/v1/completions": ("completion", CompletionRequest),
     "/v1/chat/completions": ("chat", ChatCompletionRequest),
 }
@@ -41,7 +41,7 @@ _ENDPOINTS: dict[str, tuple[str, type[BaseModel]]] = {
 class _Line:
     index: int
     custom_id: str | None
-    kind: str = ""
+    kind: Literal["completion", "chat"] = "completion"
     request: BaseModel | None = None
     return_token_ids: bool = False
     want_logprobs: bool = False
@@ -58,11 +58,17 @@ def _error(status: int, code: str, message: str) -> dict[str, Any]:
     return {"status_code": status, "code": code, "message": message}
 
 
-def _parse_line(index: int, raw: str, engine: LLMEngine, model_name: str) -> tuple[_Line, list[int], SamplingParams | None]:
+def _parse_line(
+    index: int, raw: str, engine: LLMEngine, model_name: str
+) -> tuple[_Line, list[int], SamplingParams | None]:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
-        return _Line(index, None, error=_error(400, "invalid_json", f"line {index + 1} is not valid JSON: {e}")), [], None
+        return (
+            _Line(index, None, error=_error(400, "invalid_json", f"line {index + 1} is not valid JSON: {e}")),
+            [],
+            None,
+        )
     if not isinstance(obj, dict):
         return _Line(index, None, error=_error(400, "invalid_json", f"line {index + 1} is not a JSON object")), [], None
     line = _Line(index, obj.get("custom_id"))
@@ -84,7 +90,9 @@ def _parse_line(index: int, raw: str, engine: LLMEngine, model_name: str) -> tup
         else:
             prompt_ids = encode_prompt(engine.tokenizer, req.prompt)
         default_max = max(1, engine.max_model_len - len(prompt_ids))
-        params = req.sampling_params(default_max_tokens=min(16, default_max) if line.kind == "completion" else default_max)
+        params = req.sampling_params(
+            default_max_tokens=min(16, default_max) if line.kind == "completion" else default_max
+        )
         engine.check_request(prompt_ids, params)
     except APIError as e:
         line.error = _error(e.status, e.code or e.err_type, e.message)
@@ -118,7 +126,9 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
             },
             "error": {"code": line.error["code"], "message": line.error["message"]},
         }
-    body = response_envelope(line.kind, new_id("cmpl" if line.kind == "completion" else "chatcmpl"), model_name, stream=False)
+    body = response_envelope(
+        line.kind, new_id("cmpl" if line.kind == "completion" else "chatcmpl"), model_name, stream=False
+    )
     body["choices"] = [
         completion_choice(
             line.kind,
@@ -130,7 +140,12 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
         )
     ]
     body["usage"] = usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens)
-    return {"id": rid, "custom_id": line.custom_id, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+    return {
+        "id": rid,
+        "custom_id": line.custom_id,
+        "response": {"status_code": 200, "request_id": rid, "body": body},
+        "error": None,
+    }
 
 
 def run_batch(engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: str) -> tuple[int, int]:
@@ -141,7 +156,7 @@ def run_batch(engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: st
             continue
         line, prompt_ids, params = _parse_line(index, raw, engine, model_name)
         lines.append(line)
-        if line.error is None:
+        if params is not None:
             engine.add_request(str(index), prompt_ids, params)
     by_index = {str(line.index): line for line in lines}
     while engine.has_unfinished_requests():

@@ -14,11 +14,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine flags; an unset one keeps the engine's default (``cluster.config``), as in a serve config."""
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto: triton on CUDA, torch on CPU")
-    p.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {CacheConfig.block_size})")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory-gb)")
     p.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None, help=f"KV pool size (default {CacheConfig.kv_cache_memory_gb})"
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto: triton on CUDA, torch on CPU"
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help=f"tokens per KV block (default {CacheConfig.block_size})"
+    )
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory-gb)"
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help=f"KV pool size (default {CacheConfig.kv_cache_memory_gb})",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     p.add_argument(
@@ -28,7 +37,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help=f"token budget per engine step (default {SchedulerConfig.max_num_batched_tokens})",
     )
     p.add_argument(
-        "--max-num-seqs", type=int, default=None, help=f"most requests running at once (default {SchedulerConfig.max_num_seqs})"
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"most requests running at once (default {SchedulerConfig.max_num_seqs})",
     )
     p.add_argument("--long-prefill-token-threshold", type=int, default=None, help="largest prompt chunk per step")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -52,8 +64,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
-    from cluster.tools.batch import run_batch
     from cluster.engine.llm_engine import LLMEngine
+    from cluster.tools.batch import run_batch
 
     engine = LLMEngine(engine_config_from_args(args))
     model_name = args.served_model_name or Path(args.model).name

@@ -159,7 +159,9 @@ def write_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
             }
     if not spec.tie_word_embeddings:
         tensors["lm_head.weight"] = rand(v, h)
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(spec.vocab_size),

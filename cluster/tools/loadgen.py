@@ -63,14 +63,16 @@ class RequestRecord:
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
-        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+        return dict.fromkeys([*(f"p{p}" for p in PERCENTILES), "mean"], None)
     ordered = sorted(values)
 
     def pick(p: float) -> float:
         # Nearest-rank on the sorted values (what numpy's "inverted_cdf" gives).
         return ordered[max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))]
 
-    return {f"p{p}": pick(p) for p in PERCENTILES} | {"mean": statistics.fmean(ordered)}
+    out: dict[str, float | None] = {f"p{p}": pick(p) for p in PERCENTILES}
+    out["mean"] = statistics.fmean(ordered)
+    return out
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict | None) -> dict[str, Any]:
@@ -188,7 +190,7 @@ async def run_load(
             bar.update(1)
             bar.set_postfix(ok=sum(r.ok for r in records), tok=sum(r.output_tokens for r in records))
 
-        await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records)))
+        await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records, strict=False)))
         duration = time.perf_counter() - t0
     bar.close()
     return records, duration
@@ -252,7 +254,7 @@ def write_plots(records: list[RequestRecord], duration_s: float, directory: Path
         ("ITL", lambda r: r.itl),
         ("end-to-end", lambda r: [r.e2e]),
     ]
-    for ax, (title, get) in zip(axes, metrics):
+    for ax, (title, get) in zip(axes, metrics, strict=False):
         for name in classes:
             values = sorted(v * 1000 for r in ok if r.class_name == name for v in get(r) if v is not None)
             if values:
@@ -290,8 +292,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="skewed-64", help="a workload file, or a name in ../shared/workloads")
     p.add_argument("--vocab-size", type=int, required=True, help="the served model's vocabulary size (prompt ids)")
     p.add_argument("--model", default=None, help="model name to send (default: the first in /v1/models)")
-    p.add_argument("--rate", type=float, default=None, help="requests/s, Poisson (inf: all at once); default: the workload's")
+    p.add_argument(
+        "--rate", type=float, default=None, help="requests/s, Poisson (inf: all at once); default: the workload's"
+    )
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--seed", type=int, default=None, help="override the workload's seed (same shapes, new prompts)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--output-json", default=None, help="write the report (and every request's record) here")
@@ -300,7 +305,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec, requests = load_workload(args.workload, args.vocab_size, args.rate, args.num_requests)
+    spec, requests = load_workload(args.workload, args.vocab_size, args.rate, args.num_requests, args.seed)
     model = args.model or asyncio.run(discover_model(args.base_url))
     records, duration = asyncio.run(
         run_load(args.base_url, model, requests, args.timeout, not args.no_progress, args.max_concurrency)

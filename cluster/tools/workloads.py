@@ -50,15 +50,23 @@ def workload_path(name_or_path: str) -> Path:
 
 
 def load_workload(
-    name_or_path: str, vocab_size: int, rate_per_s: float | None = None, num_requests: int | None = None
+    name_or_path: str,
+    vocab_size: int,
+    rate_per_s: float | None = None,
+    num_requests: int | None = None,
+    seed: int | None = None,
 ) -> tuple[dict, list[WorkloadRequest]]:
     """Returns (the workload's JSON, its requests). Prompt ids are drawn from [4, vocab_size).
 
     ``rate_per_s`` replaces the workload's arrivals (``inf``: a burst; else Poisson at that rate) and
-    ``num_requests`` its count; the prompts and lengths drawn for a given index stay the same."""
+    ``num_requests`` its count; the prompts and lengths drawn for a given index stay the same. ``seed``
+    replaces the workload's seed: the same distributions, other prompts (a repeat that a server's prefix
+    cache has not seen)."""
     spec = json.loads(workload_path(name_or_path).read_text())
     if num_requests is not None:
         spec["num_requests"] = num_requests
+    if seed is not None:
+        spec["seed"] = seed
     if rate_per_s is not None:
         spec["arrival"] = {"kind": "burst"} if math.isinf(rate_per_s) else {"kind": "poisson", "rate_per_s": rate_per_s}
     rng = random.Random(spec["seed"])

@@ -171,7 +171,7 @@ def test_greedy_parity_local_and_remote(server, offline):
             )
 
     responses = asyncio.run(send_all())
-    for prompt, resp, want in zip(prompts, responses, expected):
+    for prompt, resp, want in zip(prompts, responses, expected, strict=False):
         assert resp.status_code == 200, resp.text
         route = "local" if isinstance(prompt, str) else "remote"
         assert resp.headers["x-shapeserve-route"] == route
@@ -349,7 +349,7 @@ def test_killed_prefill_replica_every_request_completes(server, offline):
             return await asyncio.gather(*tasks)
 
     responses = asyncio.run(main())
-    for resp, want in zip(responses, expected):
+    for resp, want in zip(responses, expected, strict=False):
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == want
     # Serve restarts the replica; afterwards nothing is held anywhere.

@@ -20,7 +20,12 @@ from cluster.engine.attention.triton.decode import _decode_merge_kernel, _decode
 from cluster.engine.attention.triton.kv_write import _write_kv_kernel
 from cluster.engine.attention.triton.prefill import _prefill_kernel
 
-INDEX_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+INDEX_PTRS = {
+    "block_tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+}
 FP32_PTRS = {"part_out_ptr", "part_max_ptr", "part_sum_ptr"}
 
 
@@ -60,15 +65,27 @@ def main() -> int:
             *(
                 (
                     _decode_partition_kernel,
-                    dict(BLOCK_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, TILE_N=32,
-                         PARTITION_SIZE=512, SINGLE_PARTITION=single, **dot),
+                    dict(
+                        BLOCK_SIZE=16,
+                        GROUP=4,
+                        HEAD_DIM=128,
+                        BLOCK_G=16,
+                        BLOCK_D=128,
+                        TILE_N=32,
+                        PARTITION_SIZE=512,
+                        SINGLE_PARTITION=single,
+                        **dot,
+                    ),
                     8 if dtype == "fp32" else 4,
                 )
                 for single in (True, False)
             ),
             (_decode_merge_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=4, PARTITION_SIZE=512), 2),
-            (_prefill_kernel, dict(BLOCK_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_Q=16, BLOCK_D=128,
-                                   TILE_N=32, **dot), 8),
+            (
+                _prefill_kernel,
+                dict(BLOCK_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_Q=16, BLOCK_D=128, TILE_N=32, **dot),
+                8,
+            ),
         ]
         for kernel, constexprs, warps in jobs:
             compiled = compile_sm90(kernel, dtype, constexprs, warps)

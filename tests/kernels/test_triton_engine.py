@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import SamplingParams
-from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.attention.triton.backend import TritonAttentionBackend
+from cluster.engine.llm_engine import LLMEngine
 from tests.helpers import engine_config, random_prompts
 
 pytestmark = pytest.mark.kernels

@@ -25,7 +25,11 @@ from cluster.engine.attention.base import (
 from cluster.engine.attention.torch_backend import TorchAttentionBackend
 from cluster.engine.attention.triton._common import check_device, interpreting
 from cluster.engine.attention.triton.backend import TritonAttentionBackend
-from cluster.engine.attention.triton.decode import _decode_partition_kernel, choose_partition_size, paged_decode_attention
+from cluster.engine.attention.triton.decode import (
+    _decode_partition_kernel,
+    choose_partition_size,
+    paged_decode_attention,
+)
 from cluster.engine.attention.triton.kv_write import write_kv
 from cluster.engine.attention.triton.prefill import paged_prefill_attention
 
@@ -200,13 +204,15 @@ def test_prefill_matches_reference(block_size, head_dim, group, dtype):
 def test_prefill_long_chunk_spans_query_blocks():
     # 70 queries with group 4 take several query blocks; block_m=16 forces 4 tokens per block.
     g = _gen(4)
-    seq_lens, query_lens = [90, 7], [70, 7]
+    seq_lens, _query_lens = [90, 7], [70, 7]
     k_cache, v_cache, tables = _paged_context(seq_lens, 16, 64, F32, g)
     query = _randn((77, 8, 64), F32, g)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 70, 77], dtype=torch.int32, device=DEVICE)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, starts, lens, 0.125)
-    out = paged_prefill_attention(query, k_cache, v_cache, tables, starts, lens, 0.125, 70, out=_nan_like(ref), block_m=16)
+    out = paged_prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.125, 70, out=_nan_like(ref), block_m=16
+    )
     torch.testing.assert_close(out, ref, **TOL[F32])
 
 
@@ -226,7 +232,7 @@ def test_backend_matches_torch_backend_on_mixed_batch(dtype):
     num_tokens = sum(query_lens)
     # The new tokens' slots: the last query_len positions of each sequence.
     slots = []
-    for i, (s, q) in enumerate(zip(seq_lens, query_lens)):
+    for i, (s, q) in enumerate(zip(seq_lens, query_lens, strict=False)):
         for p in range(s - q, s):
             slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
     meta = AttentionMetadata(
@@ -302,11 +308,17 @@ def test_prefill_wrapper_rejects_bad_arguments():
     a = _small()
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"query_start_loc has shape \[2\], expected \[3\]"):
-        paged_prefill_attention(a["query"], a["k_cache"], a["v_cache"], a["block_tables"], starts[:2], a["seq_lens"], 1.0, 1)
+        paged_prefill_attention(
+            a["query"], a["k_cache"], a["v_cache"], a["block_tables"], starts[:2], a["seq_lens"], 1.0, 1
+        )
     with pytest.raises(ValueError, match="block_tables has shape"):
-        paged_prefill_attention(a["query"], a["k_cache"], a["v_cache"], a["block_tables"][:1], starts, a["seq_lens"], 1.0, 1)
+        paged_prefill_attention(
+            a["query"], a["k_cache"], a["v_cache"], a["block_tables"][:1], starts, a["seq_lens"], 1.0, 1
+        )
     with pytest.raises(ValueError, match="max_query_len must be >= 1"):
-        paged_prefill_attention(a["query"], a["k_cache"], a["v_cache"], a["block_tables"], starts, a["seq_lens"], 1.0, 0)
+        paged_prefill_attention(
+            a["query"], a["k_cache"], a["v_cache"], a["block_tables"], starts, a["seq_lens"], 1.0, 0
+        )
 
 
 def test_write_kv_wrapper_rejects_bad_arguments():

@@ -12,9 +12,9 @@ from cluster.engine.attention.base import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
-from cluster.engine.attention.torch_backend import TorchAttentionBackend
 from cluster.engine.attention.cpu_decode import paged_decode_attention_cpu, supports
 from cluster.engine.attention.sdpa import GatherBuffer, length_buckets, paged_attention_sdpa
+from cluster.engine.attention.torch_backend import TorchAttentionBackend
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from cluster.tools.cli import main as cli_main
 from cluster.config import EngineConfig, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError
+from cluster.tools.cli import main as cli_main
 from tests.helpers import engine_config
 
 
@@ -81,13 +81,20 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path):
     lines = [
         "{not json",
         json.dumps({"custom_id": "long", "url": "/v1/completions", "method": "POST", "body": {"prompt": [5] * 2000}}),
-        json.dumps({"custom_id": "ok", "url": "/v1/completions", "method": "POST", "body": {"prompt": "hi", "max_tokens": 3}}),
+        json.dumps(
+            {"custom_id": "ok", "url": "/v1/completions", "method": "POST", "body": {"prompt": "hi", "max_tokens": 3}}
+        ),
         json.dumps({"custom_id": "nobody", "url": "/v1/completions", "method": "POST"}),
-        json.dumps({"custom_id": "chat-missing", "url": "/v1/chat/completions", "method": "POST", "body": {"max_tokens": 3}}),
+        json.dumps(
+            {"custom_id": "chat-missing", "url": "/v1/chat/completions", "method": "POST", "body": {"max_tokens": 3}}
+        ),
     ]
     infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     infile.write_text("\n".join(lines) + "\n")
-    assert cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model), "--num-blocks", "64"]) == 0
+    assert (
+        cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model), "--num-blocks", "64"])
+        == 0
+    )
     recs = [json.loads(x) for x in outfile.read_text().splitlines()]
     assert [r["custom_id"] for r in recs] == [None, "long", "ok", "nobody", "chat-missing"]
     assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400]

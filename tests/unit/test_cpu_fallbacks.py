@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.tools.cli import main as cli_main
 from cluster.config import SamplingParams
 from cluster.engine import cpu_features
-from cluster.engine.attention import cpu_decode
 from cluster.engine import linear as linear_module
+from cluster.engine.attention import cpu_decode
 from cluster.engine.llm_engine import LLMEngine
+from cluster.tools.cli import main as cli_main
 from tests.helpers import engine_config, random_prompts
 from tests.unit.test_engine_parity import hf_greedy
 
@@ -69,7 +69,13 @@ def test_run_batch_half_precision_matches_transformers_greedy(demo_model, dtype,
     infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     with infile.open("w") as f:
         for i, p in enumerate(prompts):
-            body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            body = {
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             f.write(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     argv = ["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model), "--dtype", dtype]
     assert cli_main(argv + ["--num-blocks", "128"]) == 0
@@ -77,7 +83,7 @@ def test_run_batch_half_precision_matches_transformers_greedy(demo_model, dtype,
 
     hf = AutoModelForCausalLM.from_pretrained(demo_model, dtype=getattr(torch, dtype)).eval()
     exact = 0
-    for prompt, tokens in zip(prompts, got):
+    for prompt, tokens in zip(prompts, got, strict=False):
         assert len(tokens) == MAX_TOKENS
         # Walk transformers' greedy decode along the engine's tokens.
         for i, token in enumerate(tokens):
@@ -108,4 +114,3 @@ def test_advice_on_emulated_half_precision(monkeypatch, caplog):
 def test_no_advice_where_half_precision_is_native(monkeypatch):
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_fp16"}))
     assert cpu_features.advise_dtype(torch.bfloat16) == "" and cpu_features.advise_dtype(torch.float16) == ""
-

@@ -56,5 +56,9 @@ def test_pool_options_follow_the_placement():
     local = load_serve_config(DEPLOY / "shapeserve-local.yaml")
     placement = place_pools(local, cluster_cpus=2, cluster_gpus=0)
     opts = _pool_options("DecodeWorker", local.decode, placement.decode, local, DecodeRequestRouter)
-    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    assert opts["ray_actor_options"] == {
+        "num_cpus": 2.0,
+        "num_gpus": 0.0,
+        "runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "1"}},
+    }
     assert opts["num_replicas"] == 1

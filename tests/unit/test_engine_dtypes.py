@@ -25,7 +25,7 @@ def test_half_precision_engine_logprobs_track_transformers(demo_model, dtype):
     results = engine.generate(prompts, params)
 
     hf = AutoModelForCausalLM.from_pretrained(demo_model, dtype=getattr(torch, dtype)).eval()
-    for prompt, result in zip(prompts, results):
+    for prompt, result in zip(prompts, results, strict=False):
         tokens = result["token_ids"]
         assert len(tokens) == 8 and len(result["logprobs"]) == 8
         with torch.inference_mode():

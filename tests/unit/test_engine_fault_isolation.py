@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from cluster.serving.async_engine import AsyncEngine, EngineDead
 from cluster.config import SamplingParams
 from cluster.engine import model_runner
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import InvalidRequestError
+from cluster.serving.async_engine import AsyncEngine, EngineDead
 from tests.helpers import engine_config, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -95,7 +95,9 @@ def test_async_engine_survives_a_step_failure_it_cannot_pin_on_one_request(engin
                 return schedule()
 
             engine.scheduler.schedule = flaky_schedule
-            q = await ae.add_request("victim", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+            q = await ae.add_request(
+                "victim", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+            )
             with pytest.raises(EngineDead, match="scheduler bug"):
                 while True:
                     await q.get()

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from cluster.tools.cli import main as cli_main
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
+from cluster.tools.cli import main as cli_main
 from tests.conftest import PARITY_SPECS
 from tests.helpers import engine_config, random_prompts
 
@@ -23,10 +23,15 @@ def hf_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
     outs = []
     for p in prompts:
         gen = hf.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=max_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens,
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=max_tokens,
         )
-        outs.append(gen[0, len(p):].tolist())
+        outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -51,12 +56,22 @@ def test_run_batch_matches_transformers_greedy(name, reference, tmp_path):
     infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     with infile.open("w") as f:
         for i, p in enumerate(prompts):
-            body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-    assert cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(path), "--num-blocks", "128"]) == 0
+            body = {
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            f.write(
+                json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n"
+            )
+    assert (
+        cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(path), "--num-blocks", "128"]) == 0
+    )
     records = [json.loads(line) for line in outfile.read_text().splitlines()]
     assert [r["custom_id"] for r in records] == [f"req-{i}" for i in range(len(prompts))]
-    for rec, p, exp in zip(records, prompts, expected):
+    for rec, p, exp in zip(records, prompts, expected, strict=False):
         choice = rec["response"]["body"]["choices"][0]
         assert choice["token_ids"] == exp, f"prompt of {len(p)} tokens diverged"
         assert choice["finish_reason"] == "length"

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams
-from cluster.prefix_hash import hash_full_blocks
 from cluster.engine.llm_engine import LLMEngine
+from cluster.prefix_hash import hash_full_blocks
 from cluster.serving.config import parse_serve_config
 from cluster.serving.messages import GenerateTask, Route
 from decode_workers.replica import DecodeWorker

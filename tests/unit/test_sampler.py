@@ -96,14 +96,17 @@ def test_stop_strings_truncate_text(demo_model):
     assert out["finish_reason"] == "stop"
     assert out["text"] == text[: text.index(stop)]
     incl = engine.generate(
-        prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
+        prompt,
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True),
     )[0]
     assert incl["text"] == text[: text.index(stop) + 3]
 
 
 def test_logprobs_match_a_full_forward(demo_model):
     engine = LLMEngine(engine_config(demo_model, num_blocks=64))
-    out = engine.generate([[30, 31, 32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True))[0]
+    out = engine.generate(
+        [[30, 31, 32]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    )[0]
     assert len(out["logprobs"]) == 4 and all(lp <= 0 for lp in out["logprobs"])
     from transformers import AutoModelForCausalLM
 

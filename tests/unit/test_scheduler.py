@@ -1,7 +1,5 @@
 """Scheduler decisions asserted exactly: budgets, chunking, admission, preemption, cancellation."""
 
-import pytest
-
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.request import RequestStatus

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass(frozen=True)
 class AttentionMetadata:
     # slot_mapping: [num_tokens] int64, slot of each new token = block_id * block_size + offset

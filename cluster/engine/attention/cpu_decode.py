@@ -108,7 +108,7 @@ def paged_decode_attention_cpu(
     out = torch.empty_like(q)
     with _LAUNCH_LOCK:
         # numba keeps its own thread pool; match torch's so both use the cores the engine was given.
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         _decode_kernel(
             q.numpy(),
             k_cache.numpy(),

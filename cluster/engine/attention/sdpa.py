@@ -92,7 +92,7 @@ def _causal_mask(q_lens, t_lens, max_q: int, max_t: int, device) -> torch.Tensor
 
     Rows past a sequence's queries (padding, dropped afterwards) see at least key 0, so their
     softmax stays finite; a real row never sees a key past its sequence's context."""
-    first = torch.tensor([t - q for q, t in zip(q_lens, t_lens)], device=device)
+    first = torch.tensor([t - q for q, t in zip(q_lens, t_lens, strict=False)], device=device)
     q_pos = first[:, None] + torch.arange(max_q, device=device)[None, :]
     allowed = torch.arange(max_t, device=device)[None, None, :] <= q_pos[:, :, None]
     return allowed[:, None]

@@ -37,7 +37,8 @@ def check_tensor(
     """``shape`` entries of None match any size; ints must match exactly. The last dim must be dense."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+    mismatch = any(want is not None and got != want for got, want in zip(t.shape, shape, strict=False))
+    if t.dim() != len(shape) or mismatch:
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name} has shape {list(t.shape)}, expected {want}")
     if t.dtype not in dtypes:

@@ -57,5 +57,3 @@ class TritonAttentionBackend:
                 out=out[nd:],
             )
         return out
-
-

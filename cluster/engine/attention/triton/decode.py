@@ -267,7 +267,7 @@ def paged_decode_attention(
     block_g = max(16, next_pow2(group))  # tl.dot needs >= 16 rows
     if single:
         part_out = part_max = part_sum = out  # unused placeholders
-        ps = (0, 0, 0)
+        ps: tuple[int, ...] = (0, 0, 0)
     else:
         part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)

@@ -9,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from cluster.engine.attention.triton._common import FLOAT_DTYPES, check_cache_pair, check_device, check_tensor, next_pow2
+from cluster.engine.attention.triton._common import (
+    FLOAT_DTYPES,
+    check_cache_pair,
+    check_device,
+    check_tensor,
+    next_pow2,
+)
 
 
 @triton.jit

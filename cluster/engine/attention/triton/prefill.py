@@ -89,7 +89,9 @@ def _prefill_kernel(
     row_q = (q_start + tok).to(tl.int64)
     io_mask = m_mask[:, None] & d_mask[None, :]
     # q: [BLOCK_M, BLOCK_D]
-    q = tl.load(q_ptr + row_q[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + row_q[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from cluster.errors import ConfigError, InvalidRequestError
-from cluster.serving.config import ServeConfig, load_serve_config, parse_serve_config
 from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from cluster.serving.config import ServeConfig, load_serve_config, parse_serve_config
 
 
 def body(**kw):
