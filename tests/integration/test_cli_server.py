@@ -1,0 +1,205 @@
+"""``shapeserve serve`` as a user starts it: the decode replica serves HTTP on --port itself (direct ingress),
+with a prefill pool (disaggregation on), driven over real HTTP and by ``shapeserve bench``.
+
+Greedy outputs over HTTP equal run-batch's on the same model, LOCAL and REMOTE, streamed and not; a client
+that goes away frees its blocks; ``shapeserve bench`` counts what the server's metrics count.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.server_process import ServerProcess
+from cluster.tools.cli import main as cli_main
+
+pytestmark = pytest.mark.slow
+
+SHORT = [[5 + i, 17, 33, 80] for i in range(4)]  # 4 tokens: LOCAL
+# 90 tokens: REMOTE. Each prompt is sent once: a repeat finds its blocks cached and prefills locally.
+LONG = [[4 + (seed * 131 + i * 17) % 500 for i in range(90)] for seed in range(4)]
+MAX_TOKENS = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli-server")
+    config = tmp / "serve.yaml"
+    config.write_text(
+        "shapeserve:\n"
+        "  device: cpu\n"
+        "  served_model_name: demo\n"
+        "  disaggregation: 'on'\n"
+        "  classifier: {local_max_uncached_tokens: 32}\n"
+        "  decode: {num_blocks: 256}\n"
+        "  prefill: {num_blocks: 256}\n"
+    )
+    port = free_port()
+    cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(demo_model), "--port", str(port)]
+    proc = ServerProcess(
+        [*cmd, "--config", str(config)],
+        f"http://127.0.0.1:{port}",
+        str(tmp / "server.log"),
+        env={"RAY_AUTH_MODE": "disabled"},
+    ).start(timeout_s=180)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def run_batch_tokens(demo_model, tmp_path_factory):
+    """run-batch's greedy tokens for SHORT + LONG (the offline reference)."""
+    tmp = tmp_path_factory.mktemp("run-batch")
+    infile, outfile = tmp / "in.jsonl", tmp / "out.jsonl"
+    with infile.open("w") as f:
+        for i, p in enumerate(SHORT + LONG):
+            body = {
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            f.write(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    assert cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model)]) == 0
+    return [
+        json.loads(line)["response"]["body"]["choices"][0]["token_ids"] for line in outfile.read_text().splitlines()
+    ]
+
+
+def body(prompt, **extra):
+    return {
+        "model": "demo",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def streamed_tokens(url: str, prompt) -> tuple[str, list[int]]:
+    ids = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body(prompt, stream=True), timeout=120) as resp:
+        assert resp.status_code == 200
+        route = resp.headers["x-shapeserve-route"]
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ids += json.loads(line[6:])["choices"][0]["token_ids"]
+    return route, ids
+
+
+def test_the_decode_replica_serves_the_port_itself(server):
+    """No proxy between the client and the replica: the listening socket belongs to the decode replica."""
+    import psutil
+
+    port = int(server.url.rsplit(":", 1)[1])
+    owners = {
+        p.cmdline()[0]
+        for p in server.tree()
+        for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+    assert owners and all("DecodeWorker" in name for name in owners), owners
+
+
+def test_greedy_http_equals_run_batch_local_and_remote_stream_and_not(server, run_batch_tokens):
+    for i, (prompt, want) in enumerate(zip(SHORT + LONG, run_batch_tokens, strict=True)):
+        expected_route = "local" if len(prompt) <= 32 else "remote"
+        if i % 2 == 0:
+            resp = httpx.post(f"{server.url}/v1/completions", json=body(prompt), timeout=120)
+            assert resp.status_code == 200, resp.text
+            route, ids = resp.headers["x-shapeserve-route"], resp.json()["choices"][0]["token_ids"]
+        else:
+            route, ids = streamed_tokens(server.url, prompt)
+        assert (route, ids) == (expected_route, want), f"prompt {i}"
+
+
+def pools(url: str) -> list[dict]:
+    return httpx.get(f"{url}/admin/pools", timeout=30).json()["replicas"]
+
+
+def test_client_disconnect_frees_every_block(server):
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body([7] * 200, stream=True, max_tokens=600), timeout=60
+    ) as resp:
+        lines = resp.iter_lines()
+        for _ in range(6):
+            next(lines)
+    # leaving the block closed the connection mid-stream
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        reps = pools(server.url)
+        if len(reps) == 2 and all(r["kv_blocks_used"] == 0 and r["active_requests"] == 0 for r in reps):
+            break
+        time.sleep(0.25)
+    assert all(r["kv_blocks_used"] == 0 and r["active_requests"] == 0 for r in reps), reps
+
+
+def metric_sum(url: str, name: str, **labels) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_bench_counts_match_the_server_metrics(server, tmp_path):
+    workload = tmp_path / "small.json"
+    workload.write_text(
+        json.dumps(
+            {
+                "name": "small",
+                "seed": 5,
+                "num_requests": 10,
+                "arrival": {"kind": "burst"},
+                "classes": [
+                    {
+                        "name": "chat",
+                        "weight": 0.7,
+                        "prompt_tokens": {"dist": "uniform", "min": 8, "max": 30},
+                        "output_tokens": {"dist": "uniform", "min": 4, "max": 10},
+                    },
+                    {
+                        "name": "doc",
+                        "weight": 0.3,
+                        "prompt_tokens": {"dist": "uniform", "min": 60, "max": 120},
+                        "output_tokens": {"dist": "fixed", "value": 6},
+                    },
+                ],
+                "ignore_eos": True,
+                "slo": {"ttft_ms": 60000, "tpot_ms": 60000},
+            }
+        )
+    )
+    ok_before = metric_sum(server.url, "shapeserve_requests_total", outcome="ok")
+    tokens_before = metric_sum(server.url, "shapeserve_generation_tokens_total")
+    report = tmp_path / "report.json"
+    argv = ["bench", "--base-url", f"{server.url}/v1", "--workload", str(workload), "--vocab-size", "512"]
+    assert cli_main([*argv, "--output-json", str(report), "--plot-dir", str(tmp_path / "plots"), "--no-progress"]) == 0
+    result = json.loads(report.read_text())
+    assert result["all"]["completed"] == result["all"]["requests"] == 10 and result["all"]["failed"] == 0
+    assert set(result["by_class"]) == {"chat", "doc"}
+    assert result["all"]["good_requests"] == 10
+    assert metric_sum(server.url, "shapeserve_requests_total", outcome="ok") - ok_before == 10
+    tokens = metric_sum(server.url, "shapeserve_generation_tokens_total") - tokens_before
+    assert tokens == result["all"]["output_tokens"] == sum(r["expected_output_tokens"] for r in result["records"])
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "throughput_over_time.png").stat().st_size > 0
