@@ -1,11 +1,12 @@
 """One REMOTE request's prefill on the decode side, owned by one object from reservation to the end.
 
-    prefill = RemotePrefill(task, worker, receiver)
+    prefill = RemotePrefill(task, engine, receiver, prefill_pool, timeouts, block_size)
     try:
         if await prefill.reserve():          # blocks for the whole prompt, past our prefix-cache hits
             await prefill.run()              # attempts on prefill replicas; install the KV, or prefill locally
     finally:
         prefill.close()                      # ends the open lease (idempotent)
+    prefill.outcome                          # what it took (route, attempts, bytes), for the replica's counters
 
 ``reserve()`` returns False when no blocks could be had in time: the request was added for a
 local prefill instead. ``run()`` returns the route the request took (REMOTE when the pushed KV
@@ -17,96 +18,128 @@ used again: by the sender's completion, or here by ``abort`` before a retry, a f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Any
 
 from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation
+from cluster.serving.async_engine import AsyncEngine
+from cluster.serving.config import TimeoutConfig
 from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Route
 from kv_transfer import KVReceiver, Lease, LeaseState
-
-if TYPE_CHECKING:
-    from decode_workers.replica import DecodeWorker
 
 log = logging.getLogger("ray.serve")
 
 
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """How one REMOTE request's prefill went."""
+
+    route: Route = Route.REMOTE
+    #: Tries on prefill replicas, and how many of them failed.
+    attempts: int = 0
+    failures: int = 0
+    #: Whether a prefill replica's KV arrived (and was installed), its size and time.
+    transferred: bool = False
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transport: str = ""
+
+
 class RemotePrefill:
-    def __init__(self, task: GenerateTask, worker: DecodeWorker, receiver: KVReceiver):
+    def __init__(
+        self,
+        task: GenerateTask,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        prefill_pool: Any,
+        timeouts: TimeoutConfig,
+        block_size: int,
+    ):
         self.task = task
-        self.worker = worker
+        self.engine = engine
         self.receiver = receiver
+        #: Serve handle of the prefill pool: ``prefill_pool.prefill.remote(PrefillTask)``.
+        self.prefill_pool = prefill_pool
+        self.timeouts = timeouts
+        self.block_size = block_size
         self.reservation: RemoteKVReservation | None = None
         self.lease: Lease | None = None
+        self.outcome = PrefillOutcome()
 
     async def reserve(self) -> bool:
         """Reserves the prompt's blocks (waiting up to ``reserve_timeout_s`` for room). False: none could be
         had, and the request was added for a local prefill instead (queued like any LOCAL request)."""
-        task, engine = self.task, self.worker.engine
+        task = self.task
         rid, prompt = task.request_id, list(task.prompt_token_ids)
-        give_up = time.time() + self.worker.config.timeouts.reserve_timeout_s
+        give_up = time.time() + self.timeouts.reserve_timeout_s
         while True:
-            self.reservation = await engine.call(lambda e: e.reserve_remote_kv(rid, prompt, task.params))
+            self.reservation = await self.engine.call(lambda e: e.reserve_remote_kv(rid, prompt, task.params))
             if self.reservation is not None:
                 return True
             if time.time() >= give_up:
                 break
             await asyncio.sleep(0.02)
-        self.worker.count(local_fallbacks=1)
-        await engine.call(lambda e: e.add_request(rid, prompt, task.params))
+        self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
+        await self.engine.call(lambda e: e.add_request(rid, prompt, task.params))
         return False
 
     async def run(self) -> Route:
         """Prefill attempts on the prefill pool, then the install of the first try that succeeds; without
         one, a local prefill on the same blocks (prefix hits kept). Returns the route taken."""
-        cfg = self.worker.config.timeouts
-        for attempt in range(cfg.max_prefill_attempts):
-            if attempt:
-                self.worker.count(prefill_retries=1)
+        for attempt in range(self.timeouts.max_prefill_attempts):
             result = await self._attempt(attempt)
             if result is not None:
-                await self.worker.engine.call(partial(_install, self.task.request_id, result))
+                await self.engine.call(partial(_install, self.task.request_id, result))
                 return Route.REMOTE
-        self.worker.count(local_fallbacks=1)
-        await self.worker.engine.call(lambda e: e.fallback_to_local_prefill(self.task.request_id))
+        self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
+        await self.engine.call(lambda e: e.fallback_to_local_prefill(self.task.request_id))
         return Route.LOCAL
 
     async def _attempt(self, attempt: int) -> PrefillResult | None:
         """One prefill replica's try with a fresh lease on our blocks; None if it failed (the lease is ended)."""
-        task, worker = self.task, self.worker
+        task = self.task
         assert self.reservation is not None
-        skip = self.reservation.num_cached_tokens // worker.block_size
+        skip = self.reservation.num_cached_tokens // self.block_size
         lease = self.lease = self.receiver.open_lease(task.request_id, self.reservation.block_ids[skip:], skip)
-        deadline = min(task.deadline, time.time() + worker.config.timeouts.prefill_timeout_s)
+        deadline = min(task.deadline, time.time() + self.timeouts.prefill_timeout_s)
         ptask = PrefillTask(
             task.request_id, task.prompt_token_ids, task.params, deadline, lease, task.block_hashes, attempt
         )
+        self.outcome = dataclasses.replace(self.outcome, attempts=attempt + 1)
         started = time.perf_counter()
-        response = worker.prefill.prefill.remote(ptask)
+        response = self.prefill_pool.prefill.remote(ptask)
         try:
             result: PrefillResult = await asyncio.wait_for(response, timeout=max(0.0, deadline - time.time()))
-            outcome = self.receiver.outcome(lease.lease_id)
-            if outcome is None or outcome.state != LeaseState.COMPLETED:
-                raise RuntimeError(f"the prefill replica answered but lease {lease.lease_id} is {outcome}")
+            ended = self.receiver.outcome(lease.lease_id)
+            if ended is None or ended.state != LeaseState.COMPLETED:
+                raise RuntimeError(f"the prefill replica answered but lease {lease.lease_id} is {ended}")
         except asyncio.CancelledError:
             response.cancel()
             raise
-        except Exception as e:  # dead replica, deadline, broken transfer: this attempt failed before the first token  # noqa: BLE001
+        except Exception as e:  # dead replica, deadline, broken transfer: failed before the first token  # noqa: BLE001
             response.cancel()
             self.close()
-            worker.count(transfer_failures=1)
+            self.outcome = dataclasses.replace(self.outcome, failures=self.outcome.failures + 1)
             log.warning(
                 "prefill of %s failed (attempt %d/%d): %r",
                 task.request_id,
                 attempt + 1,
-                worker.config.timeouts.max_prefill_attempts,
+                self.timeouts.max_prefill_attempts,
                 e,
             )
             return None
         self.lease = None  # completed: nothing left to end
-        worker.count(transfers=1, transfer_bytes=result.num_bytes, transfer_seconds=time.perf_counter() - started)
-        worker.last_transport = result.transport
+        self.outcome = dataclasses.replace(
+            self.outcome,
+            transferred=True,
+            transfer_bytes=result.num_bytes,
+            transfer_seconds=time.perf_counter() - started,
+            transport=result.transport,
+        )
         return result
 
     def close(self) -> None:

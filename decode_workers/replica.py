@@ -14,7 +14,6 @@ reach it through the engine's per-request streams, with no hop between processes
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections.abc import AsyncGenerator
@@ -31,7 +30,7 @@ from cluster.serving.messages import (
     TransferCounters,
 )
 from cluster.serving.replica_lifecycle import ReplicaReporter, transfer_config
-from decode_workers.remote_prefill import RemotePrefill
+from decode_workers.remote_prefill import PrefillOutcome, RemotePrefill
 from kv_transfer import KVReceiver, PagedKV
 
 log = logging.getLogger("ray.serve")
@@ -49,7 +48,6 @@ class DecodeWorker:
         self.replica_id = replica_id
         self.block_size = engine.engine.kv_layout.block_size
         self.counters = TransferCounters()
-        self.last_transport = ""
         self.reporter: ReplicaReporter | None = None
 
     @classmethod
@@ -93,7 +91,8 @@ class DecodeWorker:
         )
         remote = None
         if task.route is Route.REMOTE and self.prefill is not None and self.receiver is not None:
-            remote = RemotePrefill(task, self, self.receiver)
+            timeouts = self.config.timeouts
+            remote = RemotePrefill(task, self.engine, self.receiver, self.prefill, timeouts, self.block_size)
         try:
             if remote is not None and await remote.reserve():
                 yield Started(Route.REMOTE, self.replica_id)
@@ -111,11 +110,20 @@ class DecodeWorker:
             deadline.cancel()
             if remote is not None:
                 remote.close()  # before the blocks are freed: no late write can land in them
+                self._count(remote.outcome)
             self.engine.abort(rid)
 
-    def count(self, **increments: float) -> None:
+    def _count(self, outcome: PrefillOutcome) -> None:
         c = self.counters
-        self.counters = dataclasses.replace(c, **{k: getattr(c, k) + v for k, v in increments.items()})
+        self.counters = TransferCounters(
+            transfers=c.transfers + outcome.transferred,
+            transfer_bytes=c.transfer_bytes + outcome.transfer_bytes,
+            transfer_seconds=c.transfer_seconds + outcome.transfer_seconds,
+            transfer_failures=c.transfer_failures + outcome.failures,
+            last_transport=outcome.transport or c.last_transport,
+            prefill_retries=c.prefill_retries + max(0, outcome.attempts - 1),
+            local_fallbacks=c.local_fallbacks + (outcome.route is Route.LOCAL),
+        )
 
     # ---- stats ------------------------------------------------------------------------------
 
@@ -127,7 +135,7 @@ class DecodeWorker:
             pid=os.getpid(),
             integrity_ok=self.reporter.integrity_ok if self.reporter else None,
             engine=self.engine.stats(),
-            transfers=dataclasses.replace(self.counters, last_transport=self.last_transport),
+            transfers=self.counters,
         )
 
     def routing_stats(self) -> DecodeRoutingStats:

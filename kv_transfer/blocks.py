@@ -26,6 +26,7 @@ import torch
 
 from cluster.dtypes import dtype_name
 from cluster.kv_layout import KVLayout
+from kv_transfer.lease import LeaseTable
 
 
 class BlockSource(Protocol):
@@ -88,3 +89,20 @@ def blocks_shape(layout: KVLayout, n: int) -> tuple[int, ...]:
 
 #: Sender-side release of the source blocks of one send: ``release(request_id, block_ids)``.
 Release = Callable[[str, Sequence[int]], None]
+
+
+class LeasedBlocks:
+    """The sender's source blocks of one lease, read only while that lease is active: a gather holds the
+    lease's guard, so the blocks cannot be released (the lease ended) in the middle of it."""
+
+    def __init__(self, source: BlockSource, block_ids: Sequence[int], leases: LeaseTable, lease_id: str):
+        self.source = source
+        self.block_ids = tuple(block_ids)
+        self.leases = leases
+        self.lease_id = lease_id
+
+    def gather(self, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Lease positions ``start .. start+n`` as ``[L, 2, n, bs, H, D]`` (into ``out`` if given). Raises
+        LeaseEndedError if the lease has ended. Does not modify the cache."""
+        with self.leases.guard(self.lease_id):
+            return self.source.gather(self.block_ids[start : start + n], out)

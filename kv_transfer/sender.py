@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer import rpc, wire
-from kv_transfer.blocks import BlockSource, Release
+from kv_transfer.blocks import BlockSource, LeasedBlocks, Release
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import (
     KVTransferError,
@@ -112,7 +112,8 @@ class KVSender:
             deadline = t0 + ttl
             peer = self._peer(lease.receiver_addr)
             transport = choose_transport(self.config.transport, self.transports, peer.hello.transports)
-            nbytes = self._impl(transport).send_blocks(peer, lease, self._gatherer(lease.lease_id, src), deadline)
+            blocks = LeasedBlocks(self.source, src, self.leases, lease.lease_id)
+            nbytes = self._impl(transport).send_blocks(peer, lease, blocks, deadline)
             peer.client.call(
                 "CompleteLease",
                 wire.CompleteLease(lease.lease_id),
@@ -183,13 +184,6 @@ class KVSender:
             )
         except KVTransferError as e:  # the receiver's lease expires on its own
             log.debug("abort of lease %s not delivered: %s", lease.lease_id, e)
-
-    def _gatherer(self, lease_id: str, src: tuple[int, ...]):
-        def gather(start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-            with self.leases.guard(lease_id):  # source blocks cannot be released mid-gather
-                return self.source.gather(src[start : start + n], out)
-
-        return gather
 
     def _impl(self, name: str):
         impl = self._impls.get(name)

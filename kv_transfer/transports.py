@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from cluster.dtypes import torch_dtype
 from cluster.kv_layout import KVLayout
 from kv_transfer import collective, rpc, wire
-from kv_transfer.blocks import blocks_shape
+from kv_transfer.blocks import LeasedBlocks, blocks_shape
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import (
     KVTransferError,
@@ -38,10 +38,6 @@ from kv_transfer.lease import Lease
 
 #: Preference of ``auto``: fastest first.
 PREFERENCE = ("nccl", "gloo", "grpc")
-
-#: ``gather(start, n, out)``: lease positions ``start .. start+n`` from the sender's pool, into ``out``
-#: if given (raises LeaseEndedError if the lease ended).
-Gather = Callable[[int, int, "torch.Tensor | None"], torch.Tensor]
 
 
 class BlockWriter(Protocol):
@@ -115,7 +111,7 @@ class GrpcTransport:
     def supported(device: torch.device) -> bool:
         return True
 
-    def send_blocks(self, peer: Peer, lease: Lease, gather: Gather, deadline: float) -> int:
+    def send_blocks(self, peer: Peer, lease: Lease, blocks: LeasedBlocks, deadline: float) -> int:
         failure: list[BaseException] = []
         sent = [0]
 
@@ -126,7 +122,9 @@ class GrpcTransport:
             try:
                 for start, n in plan:
                     # The payload views ``buf``; encode() copies it before the next gather reuses it.
-                    payload = wire.TensorPayload.from_tensor(gather(start, n, buf if n == buf.shape[2] else None))
+                    payload = wire.TensorPayload.from_tensor(
+                        blocks.gather(start, n, buf if n == buf.shape[2] else None)
+                    )
                     sent[0] += len(payload.data)
                     yield wire.encode(wire.BlockChunk(lease.lease_id, start, payload))
             except BaseException as e:  # grpc would swallow it as CANCELLED; keep the real reason
@@ -248,13 +246,13 @@ class CollectiveTransport:
             peer.groups[self.backend] = group
             return group
 
-    def send_blocks(self, peer: Peer, lease: Lease, gather: Gather, deadline: float) -> int:
+    def send_blocks(self, peer: Peer, lease: Lease, blocks: LeasedBlocks, deadline: float) -> int:
         try:
-            return self._send_once(peer, lease, gather, deadline)
+            return self._send_once(peer, lease, blocks, deadline)
         except StaleGroupError:  # the receiver dropped our group (idle too long, or restarted): rejoin once
-            return self._send_once(peer, lease, gather, deadline)
+            return self._send_once(peer, lease, blocks, deadline)
 
-    def _send_once(self, peer: Peer, lease: Lease, gather: Gather, deadline: float) -> int:
+    def _send_once(self, peer: Peer, lease: Lease, blocks: LeasedBlocks, deadline: float) -> int:
         group = self._group(peer)
         plan = chunks(lease.num_blocks, self.per_chunk)
         dtype = torch_dtype(self.layout.dtype)
@@ -262,7 +260,7 @@ class CollectiveTransport:
         def send_all() -> int:
             nbytes = 0
             for start, n in plan:
-                t = gather(start, n, group.staging(blocks_shape(self.layout, n), dtype))
+                t = blocks.gather(start, n, group.staging(blocks_shape(self.layout, n), dtype))
                 group.send(t, deadline - time.monotonic())
                 nbytes += t.numel() * t.element_size()
             return nbytes
