@@ -22,10 +22,9 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation
+from cluster.engine.llm_engine import RemoteKVReservation
 from cluster.serving.async_engine import AsyncEngine
 from cluster.serving.config import TimeoutConfig
 from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Route
@@ -77,14 +76,14 @@ class RemotePrefill:
         rid, prompt = task.request_id, list(task.prompt_token_ids)
         give_up = time.time() + self.timeouts.reserve_timeout_s
         while True:
-            self.reservation = await self.engine.call(lambda e: e.reserve_remote_kv(rid, prompt, task.params))
+            self.reservation = await self.engine.reserve_remote_kv(rid, prompt, task.params)
             if self.reservation is not None:
                 return True
             if time.time() >= give_up:
                 break
             await asyncio.sleep(0.02)
         self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
-        await self.engine.call(lambda e: e.add_request(rid, prompt, task.params))
+        await self.engine.add_request(rid, prompt, task.params)
         return False
 
     async def run(self) -> Route:
@@ -92,11 +91,11 @@ class RemotePrefill:
         one, a local prefill on the same blocks (prefix hits kept). Returns the route taken."""
         for attempt in range(self.timeouts.max_prefill_attempts):
             result = await self._attempt(attempt)
-            if result is not None:
-                await self.engine.call(partial(_install, self.task.request_id, result))
+            if result is not None:  # the KV is in place: decode continues after the prefill's first token
+                await self.engine.complete_remote_kv(self.task.request_id, result.first_token_id, result.first_logprob)
                 return Route.REMOTE
         self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
-        await self.engine.call(lambda e: e.fallback_to_local_prefill(self.task.request_id))
+        await self.engine.fallback_to_local_prefill(self.task.request_id)
         return Route.LOCAL
 
     async def _attempt(self, attempt: int) -> PrefillResult | None:
@@ -147,8 +146,3 @@ class RemotePrefill:
         lease, self.lease = self.lease, None
         if lease is not None:
             self.receiver.abort(lease.lease_id, "the decode replica gave up on this transfer")
-
-
-def _install(request_id: str, result: PrefillResult, engine: LLMEngine) -> None:
-    """On the engine thread: the KV is in place; decode continues after the prefill's first token."""
-    engine.complete_remote_kv(request_id, result.first_token_id, result.first_logprob)

@@ -99,7 +99,7 @@ class DecodeWorker:
                 await remote.run()
             else:
                 if remote is None:
-                    await self.engine.call(lambda e: e.add_request(rid, list(task.prompt_token_ids), task.params))
+                    await self.engine.add_request(rid, list(task.prompt_token_ids), task.params)
                 yield Started(Route.LOCAL, self.replica_id)
             while True:
                 batch = (await stream.get(), *stream.get_ready())

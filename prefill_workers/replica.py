@@ -77,7 +77,7 @@ class PrefillWorker:
             raise RuntimeError(f"prefill of {rid} failed in the engine: {out.error}")
         t0 = time.perf_counter()
         lease = task.lease
-        ids = await self.engine.call(lambda e: e.held_kv_blocks(rid)[lease.first_block :])
+        ids = (await self.engine.held_kv_blocks(rid))[lease.first_block :]
         # Blocking (bounded by the lease deadline): gathers held blocks, pushes, completes the lease.
         sent = await asyncio.to_thread(self.sender.send, lease, ids)
         c = self.counters

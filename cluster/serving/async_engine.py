@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
-from cluster.engine.llm_engine import LLMEngine, RequestOutput
+from cluster.config import SamplingParams
+from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation, RequestOutput
 from cluster.engine.request import RequestStatus
 from cluster.serving.messages import BatchGeometry, EngineStats
 
@@ -114,15 +115,32 @@ class AsyncEngine:
         return stream
 
     async def add_request(
-        self, request_id: str, prompt: list[int], params, hold_kv_on_finish: bool = False
+        self, request_id: str, prompt: list[int], params: SamplingParams, hold_kv_on_finish: bool = False
     ) -> OutputStream:
-        stream = self.open_stream(request_id)
+        """Opens the request's stream (or reuses the one already open) and adds the request to the engine."""
+        stream = self._streams.get(request_id) or self.open_stream(request_id)
         try:
             await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    # The engine's disaggregation calls, run on the engine thread (``LLMEngine`` has their contracts).
+
+    async def reserve_remote_kv(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> RemoteKVReservation | None:
+        return await self.call(lambda e: e.reserve_remote_kv(request_id, prompt, params))
+
+    async def complete_remote_kv(self, request_id: str, first_token_id: int, first_logprob: float | None) -> None:
+        await self.call(lambda e: e.complete_remote_kv(request_id, first_token_id, first_logprob))
+
+    async def fallback_to_local_prefill(self, request_id: str) -> None:
+        await self.call(lambda e: e.fallback_to_local_prefill(request_id))
+
+    async def held_kv_blocks(self, request_id: str) -> list[int]:
+        return await self.call(lambda e: e.held_kv_blocks(request_id))
 
     def abort(self, request_id: str) -> None:
         """Closes the request's stream and frees its blocks at the next engine turn. Idempotent; never
