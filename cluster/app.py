@@ -19,9 +19,11 @@ requests before a replica goes. Peers are passed through ``.bind()`` handles onl
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -31,10 +33,12 @@ from cluster.serving.autoscaling import serve_autoscaling_config
 from cluster.serving.config import PoolConfig, ServeConfig
 from cluster.serving.messages import PrefillResult, PrefillTask, ReplicaStats
 from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
-from decode_workers.replica import DecodeWorker
-from prefill_workers.replica import PrefillWorker
 from router.replica_choice import DecodeRequestRouter, PrefillRequestRouter
-from router.server import OpenAIServer
+
+if TYPE_CHECKING:
+    from decode_workers.replica import DecodeWorker
+    from prefill_workers.replica import PrefillWorker
+    from router.server import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +87,10 @@ class PrefillServer:
     """The prefill pool's deployment: a ``PrefillWorker`` and Serve's hooks."""
 
     async def __init__(self, config: ServeConfig, model_dir: str, board, num_threads: int):  # type: ignore[misc]
-        self.worker = await PrefillWorker.start(config, model_dir, board, replica_id(), num_threads)
+        # Imported here, in the replica: the driver that builds the app never loads torch or the model code.
+        from prefill_workers.replica import PrefillWorker
+
+        self.worker: PrefillWorker = await PrefillWorker.start(config, model_dir, board, replica_id(), num_threads)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         return await self.worker.prefill(task)
@@ -108,9 +115,20 @@ class DecodeServer:
     """The decode pool's deployment: a ``DecodeWorker`` and the HTTP edge in front of it, one process."""
 
     async def __init__(self, config: ServeConfig, model_dir: str, prefill, board, num_threads: int):  # type: ignore[misc]
+        # Imported here, in the replica: the driver that builds the app never loads torch or the model code.
+        from decode_workers.replica import DecodeWorker
+        from router.server import OpenAIServer
+
         kv_host = node_ip() if prefill is not None and config.kv_transfer_host is None else None
-        self.worker = await DecodeWorker.start(config, model_dir, prefill, board, replica_id(), num_threads, kv_host)
-        self.edge = OpenAIServer(config, model_dir, self.worker, board, disaggregated=prefill is not None)
+        self.worker: DecodeWorker = await DecodeWorker.start(
+            config, model_dir, prefill, board, replica_id(), num_threads, kv_host
+        )
+        # The edge tokenizes on the event loop (and a thread pool) while the engine thread detokenizes: each
+        # gets its own copy of the tokenizer (a copy costs a fraction of loading it again).
+        tokenizer = copy.deepcopy(self.worker.engine.engine.tokenizer)
+        self.edge: OpenAIServer = OpenAIServer(
+            config, model_dir, self.worker, board, disaggregated=prefill is not None, tokenizer=tokenizer
+        )
 
     def __serve_build_asgi_app__(self):
         return self.edge.asgi_app()
@@ -132,7 +150,6 @@ class DecodeServer:
 
 def cluster_resources() -> tuple[float, float]:
     """(CPUs, GPUs) of the connected Ray cluster; of this host when Ray is not initialized (building only)."""
-    import os
 
     import ray
 
@@ -148,9 +165,11 @@ def _pool_options(
     name: str, pool: PoolConfig, placed: PoolPlacement, config: ServeConfig, router_cls: type
 ) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": placed.num_cpus, "num_gpus": placed.num_gpus}
-    if config.resolved_device() == "cpu":
+    if placed.num_gpus == 0 and any(os.environ.get(k) != v for k, v in ARENA_ENV.items()):
         # The engine runs on a thread of a process Ray has already filled with threads: one malloc arena
         # from the start, or its activations are mmapped afresh every step (cluster.engine.host_memory).
+        # (``shapeserve serve`` sets it for the whole local cluster instead: a runtime_env costs a worker
+        # start of its own.)
         actor["runtime_env"] = {"env_vars": dict(ARENA_ENV)}
     if pool.resources:
         actor["resources"] = dict(pool.resources)

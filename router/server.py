@@ -76,13 +76,21 @@ class GenerationBackend(Protocol):
 class OpenAIServer:
     """One per decode replica. ``asgi_app()`` is what Serve serves (directly, with direct ingress)."""
 
-    def __init__(self, config: ServeConfig, model_dir: str, backend: GenerationBackend, board=None, disaggregated=True):
+    def __init__(
+        self,
+        config: ServeConfig,
+        model_dir: str,
+        backend: GenerationBackend,
+        board=None,
+        disaggregated: bool = True,
+        tokenizer=None,
+    ):
         self.config = config
         self.model_dir = model_dir
         self.backend = backend
         self.board = board
         self.disaggregated = disaggregated
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         model = ModelConfig.from_pretrained(model_dir)
         self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
         self.chars_per_token = max_chars_per_token(self.tokenizer)

@@ -51,10 +51,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         dim = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        # Computed on the CPU even when the model is built on the meta device (weights.load_model): the
+        # tables are no checkpoint weights, and meta-device math would load torch's reference ops (seconds).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
         if cfg.rope_scaling_dict:
             inv_freq = _llama3_inv_freq(inv_freq, cfg.rope_scaling_dict)
-        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=cpu)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos: torch.Tensor
@@ -113,7 +116,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given a weight, Embedding skips its random init: under the meta device (weights.load_model) that
+        # init goes through torch's compiler machinery and costs seconds of start-up.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -80,8 +80,6 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device 
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # Non-persistent buffers (rope tables) were created on the meta device: rebuild them for real.
-    model.rotary = type(model.rotary)(cfg)
     model.to(device)
     model.eval()
     return model

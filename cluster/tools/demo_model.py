@@ -12,8 +12,6 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3; workloads draw prompt ids from [4, vocab)
 
 CHAT_TEMPLATE = (
@@ -129,6 +127,9 @@ def write_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
         config["use_sliding_window"] = False
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "shapeserve_demo.json").write_text(json.dumps(asdict(spec), indent=2))
+
+    # Imported here: ``ensure_demo_model`` on an existing directory (every ``shapeserve serve``) needs no torch.
+    import torch
 
     gen = torch.Generator().manual_seed(spec.seed)
 

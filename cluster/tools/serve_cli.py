@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from cluster.engine.host_memory import ARENA_ENV
 from cluster.errors import ShapeserveError
 
 
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     proxy_port = free_port(config.host) if direct else config.port
     if direct:
         os.environ.update(direct_ingress_env(config.port))  # read by the Serve processes Ray starts below
+    if own_ray:
+        os.environ.update(ARENA_ENV)  # every process of our local Ray: see cluster.engine.host_memory
     deployed = False
     try:
         if own_ray:
