@@ -14,6 +14,7 @@ import logging
 import queue
 import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
@@ -73,6 +74,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.step_seconds = 0.0
+        self.step_cpu_seconds = 0.0
         self.geometry = BatchGeometry()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -213,7 +216,10 @@ class AsyncEngine:
     def _step(self) -> None:
         e = self.engine
         before = {rid: (r.num_computed_tokens, r.num_tokens - r.num_computed_tokens) for rid, r in e.requests.items()}
+        wall, cpu = time.perf_counter(), time.thread_time()
         outputs = e.step()
+        self.step_seconds += time.perf_counter() - wall
+        self.step_cpu_seconds += time.thread_time() - cpu
         self.num_steps += 1
         self.geometry = self._geometry(before)
         if outputs:
@@ -264,6 +270,8 @@ class AsyncEngine:
             prefix_hits=pool.num_cache_hits,
             preemptions=sched.num_preemptions,
             steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            step_cpu_seconds=self.step_cpu_seconds,
             queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
             active_requests=len(e.requests),
             geometry=self.geometry,

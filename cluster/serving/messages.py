@@ -116,6 +116,9 @@ class EngineStats:
     prefix_hits: int = 0
     preemptions: int = 0
     steps: int = 0
+    #: Wall seconds the engine thread spent inside steps (busy time), and its CPU seconds there.
+    step_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
     queued_prefill_tokens: int = 0
     active_requests: int = 0
     geometry: BatchGeometry = BatchGeometry()
