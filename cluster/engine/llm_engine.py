@@ -19,7 +19,7 @@ from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
 from cluster.engine.kv_cache import allocate_kv_cache
-from cluster.engine.linear import choose_matmul, use_matmul
+from cluster.engine.linear import choose_matmul, pack_weights, use_matmul
 from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
@@ -71,6 +71,8 @@ class LLMEngine:
         self.model = load_model(self.model_config, dtype, config.device)
         # Each CPU fast path is tried once here and degrades to the portable one where it fails.
         self.matmul = choose_matmul(dtype, config.device)
+        if self.matmul.pack is not None:
+            pack_weights(self.model, self.matmul.pack)
         use_matmul(self.model, self.matmul.fn)
         if torch.device(config.device).type == "cpu":
             advise_dtype(dtype, self.matmul.fn)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import statistics
@@ -305,6 +306,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot_dir and importlib.util.find_spec("matplotlib") is None:
+        # Said before the load runs, not after minutes of it.
+        raise SystemExit("--plot-dir needs matplotlib: pip install 'shapeserve[bench]' (or leave out --plot-dir)")
     spec, requests = load_workload(args.workload, args.vocab_size, args.rate, args.num_requests, args.seed)
     model = args.model or asyncio.run(discover_model(args.base_url))
     records, duration = asyncio.run(

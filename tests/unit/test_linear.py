@@ -81,3 +81,39 @@ def test_linear_keeps_nn_linear_state_dict_names():
         layer.weight.fill_(1.0)
     assert layer(torch.ones(1, 2)).tolist() == [[2.0, 2.0, 2.0]]
     assert linear_module.Linear.matmul is F.linear  # the default before an engine chooses
+
+
+def test_packed_weights_compute_the_same_and_tied_weights_stay_plain():
+    from torch import nn
+
+    if choose_matmul(torch.float32, "cpu").pack is None:
+        pytest.skip("oneDNN cannot pack weights on this CPU/build")
+    choice = choose_matmul(torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    model = nn.Module()
+    model.embed = nn.Embedding(10, 16)
+    model.proj = Linear(16, 24)
+    model.head = Linear(16, 10, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(5, 16, generator=g)
+    want = [F.linear(x, model.proj.weight, model.proj.bias), F.linear(x, model.head.weight)]
+    assert linear_module.pack_weights(model, choice.pack) == 1
+    use_matmul(model, choice.fn)
+    assert model.proj.weight.is_mkldnn and not model.head.weight.is_mkldnn
+    with torch.inference_mode():
+        torch.testing.assert_close(model.proj(x), want[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model.head(x), want[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_pack_that_fails_keeps_onednn_on_plain_weights():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+
+    def broken_pack(weight):
+        raise RuntimeError("no blocked layout here")
+
+    choice = choose_matmul(torch.float32, "cpu", pack=broken_pack)
+    assert choice.name == "onednn" and choice.pack is None
