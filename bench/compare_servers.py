@@ -314,7 +314,9 @@ def table(results: dict) -> str:
     lines = [
         f"machine: {results['machine']}",
         f"model: {results['model_dir']} (random-weight Llama, vocab {VOCAB_SIZE}, float32); client: shapeserve bench "
-        "(streaming, token-id prompts, ignore_eos), same plan and seeds for both, servers run one after the other",
+        "(streaming, token-id prompts, ignore_eos), same plan and seeds for both, servers run one after the other: "
+        + ", then ".join(results.get("order", []))
+        + f" ({results.get('rest_s', 0):.0f} s idle between)",
         "others CPU %: share of the machine's CPU that processes other than the server and the client used during the"
         " workload (0 on a quiet machine; more: the figures are perturbed)",
         f"vLLM: {results['vllm_version']}, TUNED configuration from ../shared/notes/vllm-cpu.md: "
@@ -399,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default="llama-512h-8l", help="vLLM's --served-model-name")
     ap.add_argument("--plan", default=os.environ.get("BENCH_PLAN") or DEFAULT_PLAN, help=f"default {DEFAULT_PLAN}")
     ap.add_argument("--servers", default="vllm,shapeserve", help="which servers, in this order")
+    ap.add_argument(
+        "--rest-s",
+        type=float,
+        default=90.0,
+        help="idle seconds before each server after the first: this VM runs a fixed CPU job ~13%% slower right after"
+        " 90 s of full load (and ~4%% after 90 s of rest), so the second server would pay for the first one's load",
+    )
     ap.add_argument("--vllm-port", type=int, default=8311)
     ap.add_argument("--shapeserve-port", type=int, default=8313)
     ap.add_argument("--health-timeout", type=float, default=900.0, help="seconds a server may take to /health")
@@ -469,7 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"machine: {results['machine']}", file=sys.stderr)
     t0 = time.monotonic()
-    for name in servers:
+    results["order"] = servers
+    results["rest_s"] = args.rest_s
+    for k, name in enumerate(servers):
+        if k and args.rest_s > 0:
+            print(f"\n  resting {args.rest_s:.0f} s before {name}", file=sys.stderr, flush=True)
+            time.sleep(args.rest_s)
         cmd, env, port = cmds[name]
         results["servers"][name] = run_server(name, cmd, env, port, plan, args, run_dir)
     results["greedy_parity"] = parity_verdict(results["servers"])

@@ -60,6 +60,15 @@ class PoolStatsCollector:
             lambda s: s.engine.prefix_hits / s.engine.prefix_queries if s.engine.prefix_queries else 0.0,
         )
         yield counter("pool_preemptions", "Requests preempted by recompute", lambda s: s.engine.preemptions)
+        # Busy time: step_seconds / wall time is the engine's utilisation; wall minus CPU inside steps is time
+        # the engine thread waited for a core or the GIL (other threads of the replica, other processes).
+        yield counter("engine_steps", "Engine steps run", lambda s: s.engine.steps)
+        yield counter("engine_step_seconds", "Wall seconds the engine spent in steps", lambda s: s.engine.step_seconds)
+        yield counter(
+            "engine_step_cpu_seconds",
+            "CPU seconds of the engine thread in steps (torch's worker threads not counted)",
+            lambda s: s.engine.step_cpu_seconds,
+        )
         yield gauge(
             "pool_queued_prefill_tokens", "Prompt tokens not yet computed", lambda s: s.engine.queued_prefill_tokens
         )

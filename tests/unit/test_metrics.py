@@ -16,6 +16,9 @@ def test_timings_goodput_and_pool_families():
                 kv_blocks_used=25,
                 prefix_queries=10,
                 prefix_hits=4,
+                steps=7,
+                step_seconds=1.5,
+                step_cpu_seconds=1.25,
                 geometry=BatchGeometry(num_seqs=3, prefill_fraction=0.5),
             ),
         )
@@ -39,4 +42,7 @@ def test_timings_goodput_and_pool_families():
     assert 'shapeserve_pool_prefix_cache_hit_rate{pool="decode",replica="d1"} 0.4' in text
     assert 'shapeserve_batch_prefill_fraction{pool="decode",replica="d1"} 0.5' in text
     assert 'shapeserve_pool_kv_format_info{dtype="bfloat16",pool="decode",replica="d1"} 1.0' in text
+    assert 'shapeserve_engine_steps_total{pool="decode",replica="d1"} 7.0' in text
+    assert 'shapeserve_engine_step_seconds_total{pool="decode",replica="d1"} 1.5' in text
+    assert 'shapeserve_engine_step_cpu_seconds_total{pool="decode",replica="d1"} 1.25' in text
     assert fast.num_output_tokens == 3

@@ -1,0 +1,66 @@
+"""load_tokenizer gives the tokenizer AutoTokenizer gives, without importing the model's config class."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+from transformers import AutoTokenizer
+
+from cluster.tokenizer import _plain_config, load_tokenizer
+
+TEXTS = ["Hello world, this is a test.", "  leading spaces and ünïcödé 123 ", "<s> special </s> inside", ""]
+
+
+def assert_same_tokenizer(got, want):
+    assert type(got) is type(want)
+    assert got.get_vocab() == want.get_vocab()
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id, got.unk_token_id) == (
+        want.bos_token_id,
+        want.eos_token_id,
+        want.pad_token_id,
+        want.unk_token_id,
+    )
+    for text in TEXTS:
+        ids = want(text).input_ids
+        assert got(text).input_ids == ids
+        assert got.decode(ids) == want.decode(ids)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_same_tokenizer_as_auto_tokenizer(demo_model):
+    assert "config" in _plain_config(demo_model)  # the demo model names its class: the fast path is taken
+    assert_same_tokenizer(load_tokenizer(str(demo_model)), AutoTokenizer.from_pretrained(str(demo_model)))
+
+
+def test_a_directory_without_a_named_class_loads_through_auto_config(demo_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(demo_model, copy)
+    tokenizer_config = json.loads((copy / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("tokenizer_class", None)
+    (copy / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert _plain_config(copy) == {}
+    assert_same_tokenizer(load_tokenizer(str(copy)), AutoTokenizer.from_pretrained(str(copy)))
+
+
+def test_remote_code_keeps_auto_tokenizer_path(demo_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(demo_model, copy)
+    tokenizer_config = json.loads((copy / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tok.MyTokenizer", None]}
+    (copy / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert _plain_config(copy) == {}
+
+
+def test_loading_does_not_import_the_model_config_class(demo_model):
+    # In a fresh interpreter: LlamaConfig's module pulls in torch._dynamo through transformers' kernel
+    # integrations, seconds of every replica's start.
+    code = (
+        "import sys; from cluster.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); "
+        "print('transformers.models.llama.configuration_llama' in sys.modules, 'torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(demo_model)], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["False", "False"], out.stdout + out.stderr
