@@ -115,9 +115,13 @@ class CompletionRequest(_CommonRequest):
         return bool(self.logprobs)
 
 
+#: The roles OpenAI's chat API defines; anything else is refused before it reaches a chat template.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:

@@ -93,6 +93,14 @@ def test_chat_requires_messages():
     assert e.value.param == "messages"
 
 
+def test_chat_roles_outside_openai_are_400():
+    with pytest.raises(APIError) as e:
+        parse_body(body(model="m", messages=[{"role": "root", "content": "hi"}]), ChatCompletionRequest)
+    assert e.value.status == 400 and e.value.param.startswith("messages") and "user" in e.value.message
+    ok = [{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant", "tool")]
+    assert len(parse_body(body(model="m", messages=ok), ChatCompletionRequest).messages) == 5
+
+
 def test_error_body_shape():
     assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
 
