@@ -5,9 +5,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
 from cluster.tokenizer import _plain_config, load_tokenizer
+from tests.conftest import PARITY_SPECS
 
 TEXTS = ["Hello world, this is a test.", "  leading spaces and ünïcödé 123 ", "<s> special </s> inside", ""]
 
@@ -31,9 +33,11 @@ def assert_same_tokenizer(got, want):
     )
 
 
-def test_same_tokenizer_as_auto_tokenizer(demo_model):
-    assert "config" in _plain_config(demo_model)  # the demo model names its class: the fast path is taken
-    assert_same_tokenizer(load_tokenizer(str(demo_model)), AutoTokenizer.from_pretrained(str(demo_model)))
+@pytest.mark.parametrize("spec", sorted(PARITY_SPECS))  # incl. llama3 rope scaling, qwen2: config fields it skips
+def test_same_tokenizer_as_auto_tokenizer(model_factory, spec):
+    model = model_factory(spec)
+    assert "config" in _plain_config(model)  # the demo models name their class: the fast path is taken
+    assert_same_tokenizer(load_tokenizer(str(model)), AutoTokenizer.from_pretrained(str(model)))
 
 
 def test_a_directory_without_a_named_class_loads_through_auto_config(demo_model, tmp_path):
