@@ -10,9 +10,11 @@ The streams belong to the event loop alone (opened, fed and closed there). Runs 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -175,6 +177,7 @@ class AsyncEngine:
     # ---- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        _name_os_thread("engine-loop")
         try:
             while not self._stopped.is_set():
                 busy = self.engine.has_unfinished_requests()
@@ -286,3 +289,16 @@ class AsyncEngine:
                 return False
 
         return await self.call(check)
+
+
+def _name_os_thread(name: str) -> None:
+    """Gives the calling thread ``name`` in the OS (Linux: /proc/<pid>/task/<tid>/comm, top -H, perf), where
+    every thread of a Ray worker is otherwise called by the process title. Threads it starts later (torch's
+    OpenMP workers) inherit the name, so the engine's whole CPU shows under it (bench/replica_threads.py)."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

@@ -2,6 +2,8 @@
 and one hand-over to the event loop per engine step."""
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,19 @@ def test_call_propagates_errors_and_leaves_no_stream(demo_model):
             ae.shutdown()
 
     assert asyncio.run(main()) == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_engine_thread_is_named_in_the_os(demo_model):
+    # Ray names every thread of a worker by the process title; the engine's CPU is found by this name.
+    async def main():
+        ae = AsyncEngine(make_engine(demo_model))
+        ae.start(asyncio.get_running_loop())
+        try:
+            await ae.call(lambda engine: None)  # the thread is running its loop
+            assert ae._thread is not None and ae._thread.native_id is not None
+            return Path(f"/proc/self/task/{ae._thread.native_id}/comm").read_text().strip()
+        finally:
+            ae.shutdown()
+
+    assert asyncio.run(main()) == "engine-loop"
