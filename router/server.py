@@ -99,7 +99,7 @@ class OpenAIServer:
         self.pool_stats: list[ReplicaStats] = []
         self._stats_at = 0.0
         self._refreshing: asyncio.Task | None = None
-        self.metrics = RouterMetrics(config.slo, stats_source=lambda: self.pool_stats)
+        self.metrics = RouterMetrics(config.slo, stats_source=lambda: self.pool_stats, model_name=config.model_name)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     # ---- the ASGI app -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.serving.config import SLOConfig
 from cluster.serving.messages import ReplicaStats
@@ -125,7 +125,12 @@ class RequestTiming:
 
 
 class RouterMetrics:
-    def __init__(self, slo: SLOConfig, stats_source: Callable[[], Iterable[ReplicaStats]] | None = None):
+    def __init__(
+        self,
+        slo: SLOConfig,
+        stats_source: Callable[[], Iterable[ReplicaStats]] | None = None,
+        model_name: str = "",
+    ):
         self.slo = slo
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -171,6 +176,7 @@ class RouterMetrics:
         self.generation_tokens = Counter("shapeserve_generation_tokens", "Generated tokens", route, registry=r)
         if stats_source is not None:
             r.register(PoolStatsCollector(stats_source))
+        r.register(VLLMNamesCollector(self, model_name, stats_source or (lambda: ())))
 
     def observe_token(self, t: RequestTiming, now: float, n: int = 1) -> None:
         if t.first_token is None:
@@ -200,3 +206,76 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VLLMNamesCollector:
+    """The series a vLLM dashboard charts, under vLLM's names with a ``model_name`` label, rendered at scrape
+    time from the same histograms, counters and replica stats as the ``shapeserve_*`` families (nothing is
+    observed twice on the request path). The mapping is the table in docs/metrics.md."""
+
+    #: vLLM histogram -> ours (both in seconds; ours keep their ``route`` label next to ``model_name``).
+    HISTOGRAMS = {
+        "vllm:time_to_first_token_seconds": "ttft",
+        "vllm:inter_token_latency_seconds": "itl",
+        "vllm:e2e_request_latency_seconds": "e2e",
+        "vllm:request_queue_time_seconds": "queue",
+    }
+    COUNTERS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens"}
+
+    def __init__(self, metrics: RouterMetrics, model_name: str, stats: Callable[[], Iterable[ReplicaStats]]):
+        self.metrics = metrics
+        self.model_name = model_name
+        self.stats = stats
+
+    def _renamed(self, name: str, kind: str, source) -> Metric:
+        """``source``'s samples under ``name`` (its suffixes kept: _bucket, _count, _sum, _total), with
+        ``model_name`` added to their labels."""
+        out = Metric(name, "", kind)
+        for family in source.collect():
+            out.documentation = f"{family.documentation} (vLLM name)"
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                suffix = sample.name[len(family.name) :]
+                out.add_sample(name + suffix, {"model_name": self.model_name, **sample.labels}, sample.value)
+        return out
+
+    def collect(self):
+        m = self.metrics
+        for name, attr in self.HISTOGRAMS.items():
+            yield self._renamed(name, "histogram", getattr(m, attr))
+        for name, attr in self.COUNTERS.items():
+            yield self._renamed(name, "counter", getattr(m, attr))
+        success = Metric("vllm:request_success", "Requests that finished without an error (vLLM name)", "counter")
+        for family in m.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("outcome") == "ok":
+                    labels = {"model_name": self.model_name, "route": sample.labels["route"]}
+                    success.add_sample("vllm:request_success_total", labels, sample.value)
+        yield success
+        decode = [s for s in self.stats() if s.pool == "decode"]
+
+        def per_replica(name: str, doc: str, kind: str, get) -> Metric:
+            family = Metric(name, f"{doc} (vLLM name)", kind)
+            for s in decode:
+                labels = {"model_name": self.model_name, "engine": s.replica_id}
+                family.add_sample(name + ("_total" if kind == "counter" else ""), labels, float(get(s)))
+            return family
+
+        yield per_replica(
+            "vllm:num_requests_running", "Requests running in the engine", "gauge", lambda s: s.engine.running
+        )
+        yield per_replica(
+            "vllm:num_requests_waiting", "Requests waiting in the engine", "gauge", lambda s: s.engine.waiting
+        )
+        yield per_replica("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", "gauge", lambda s: s.kv_usage)
+        yield per_replica(
+            "vllm:prefix_cache_queries",
+            "Prefix-cache queries, in KV blocks",
+            "counter",
+            lambda s: s.engine.prefix_queries,
+        )
+        yield per_replica(
+            "vllm:prefix_cache_hits", "Prefix-cache hits, in KV blocks", "counter", lambda s: s.engine.prefix_hits
+        )
+        yield per_replica("vllm:num_preemptions", "Requests preempted", "counter", lambda s: s.engine.preemptions)

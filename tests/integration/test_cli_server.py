@@ -191,6 +191,15 @@ def test_bench_counts_match_the_server_metrics(server, tmp_path):
     )
     ok_before = metric_sum(server.url, "shapeserve_requests_total", outcome="ok")
     tokens_before = metric_sum(server.url, "shapeserve_generation_tokens_total")
+    # The same counts under vLLM's names, for dashboards built for vLLM.
+    vllm_before = {
+        name: metric_sum(server.url, name)
+        for name in (
+            "vllm:request_success_total",
+            "vllm:generation_tokens_total",
+            "vllm:e2e_request_latency_seconds_count",
+        )
+    }
     report = tmp_path / "report.json"
     argv = ["bench", "--base-url", f"{server.url}/v1", "--workload", str(workload), "--vocab-size", "512"]
     assert cli_main([*argv, "--output-json", str(report), "--plot-dir", str(tmp_path / "plots"), "--no-progress"]) == 0
@@ -201,5 +210,11 @@ def test_bench_counts_match_the_server_metrics(server, tmp_path):
     assert metric_sum(server.url, "shapeserve_requests_total", outcome="ok") - ok_before == 10
     tokens = metric_sum(server.url, "shapeserve_generation_tokens_total") - tokens_before
     assert tokens == result["all"]["output_tokens"] == sum(r["expected_output_tokens"] for r in result["records"])
+    vllm = {name: metric_sum(server.url, name) - before for name, before in vllm_before.items()}
+    assert vllm == {
+        "vllm:request_success_total": 10,
+        "vllm:generation_tokens_total": tokens,
+        "vllm:e2e_request_latency_seconds_count": 10,
+    }
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
     assert (tmp_path / "plots" / "throughput_over_time.png").stat().st_size > 0

@@ -1,5 +1,7 @@
 """Router metrics: client-side timings, goodput against the SLO, pool stats rendering (no Ray)."""
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from cluster.serving.config import SLOConfig
 from cluster.serving.messages import BatchGeometry, EngineStats, ReplicaStats
 from cluster.serving.metrics import RequestTiming, RouterMetrics
@@ -46,3 +48,58 @@ def test_timings_goodput_and_pool_families():
     assert 'shapeserve_engine_step_seconds_total{pool="decode",replica="d1"} 1.5' in text
     assert 'shapeserve_engine_step_cpu_seconds_total{pool="decode",replica="d1"} 1.25' in text
     assert fast.num_output_tokens == 3
+
+
+VLLM_SERIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+}
+
+
+def test_vllm_names_carry_the_same_values_with_model_name():
+    stats = [
+        ReplicaStats(
+            pool="decode",
+            replica_id="d1",
+            engine=EngineStats(running=3, waiting=2, kv_blocks_total=100, kv_blocks_used=25, preemptions=4),
+        ),
+        ReplicaStats(pool="prefill", replica_id="p1", engine=EngineStats(running=9)),  # not a vLLM engine
+    ]
+    m = RouterMetrics(SLOConfig(ttft_ms=100, tpot_ms=50), stats_source=lambda: stats, model_name="llama")
+    for route, prompt in (("local", 10), ("remote", 30)):
+        t = RequestTiming(arrival=0.0, route=route, started=0.02)
+        for now in (0.05, 0.08, 0.11):
+            m.observe_token(t, now)
+        m.observe_finished(t, "ok", num_prompt_tokens=prompt)
+    failed = RequestTiming(arrival=0.0, route="local")
+    m.observe_finished(failed, "error", num_prompt_tokens=5)
+
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    for name, kind in VLLM_SERIES.items():
+        assert name in families and families[name].type == kind, name
+        assert all(s.labels.get("model_name") == "llama" for s in families[name].samples), name
+
+    def total(name, suffix=""):
+        return sum(s.value for s in families[name].samples if s.name == name + suffix)
+
+    assert total("vllm:time_to_first_token_seconds", "_count") == 2
+    assert total("vllm:time_to_first_token_seconds", "_count") == total(
+        "shapeserve_time_to_first_token_seconds", "_count"
+    )
+    assert total("vllm:inter_token_latency_seconds", "_count") == 4
+    assert total("vllm:prompt_tokens", "_total") == 40 and total("vllm:generation_tokens", "_total") == 6
+    assert total("vllm:request_success", "_total") == 2  # the failed request is not a success
+    assert total("vllm:num_requests_running") == 3  # decode engines only
+    assert total("vllm:kv_cache_usage_perc") == 0.25
+    assert total("vllm:num_preemptions", "_total") == 4
