@@ -62,7 +62,13 @@ _ARCH = {
 
 
 def train_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries (filler tokens pad a small corpus)."""
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries.
+
+    A small corpus trains fewer merges than a model's vocabulary has rows, so filler entries fill the BPE
+    vocabulary up to ``vocab_size`` (no merge produces them, like a real model's unused rows; they decode to
+    ``<extra_N>``). They are vocabulary entries, not added tokens: a real 32k-vocabulary tokenizer has a
+    handful of added tokens, and transformers copies every added token when it loads a tokenizer (31k of
+    them cost the bench model's replica ~2.7 s of its start, loading and copying)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -75,12 +81,19 @@ def train_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (need >= 260)")
-    return tok
+    state = json.loads(tok.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    next_id = max(vocab.values()) + 1
+    i = 0
+    while next_id < vocab_size:
+        filler = f"<extra_{i}>"  # printable ASCII: byte-level decoding maps each character to itself
+        i += 1
+        if filler not in vocab:
+            vocab[filler] = next_id
+            next_id += 1
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def write_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
@@ -126,7 +139,7 @@ def write_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
     if spec.architecture == "qwen2":
         config["use_sliding_window"] = False
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "shapeserve_demo.json").write_text(json.dumps(asdict(spec), indent=2))
+    (path / "shapeserve_demo.json").write_text(json.dumps(_marker(spec), indent=2))
 
     # Imported here: ``ensure_demo_model`` on an existing directory (every ``shapeserve serve``) needs no torch.
     import torch
@@ -176,6 +189,15 @@ def write_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
     return path
 
 
+#: Bumped when the files written for the same spec change (2: filler tokens in the BPE vocabulary).
+DEMO_FORMAT = 2
+
+
+def _marker(spec: DemoModelSpec) -> dict:
+    """What ``shapeserve_demo.json`` holds: the spec and the format it was written in."""
+    return {**asdict(spec), "format": DEMO_FORMAT}
+
+
 def default_demo_model_dir() -> Path:
     """Where ``shapeserve serve`` keeps the demo model it builds when no --model is given."""
     import os
@@ -188,6 +210,6 @@ def ensure_demo_model(path: str | Path | None = None, spec: DemoModelSpec = Demo
     """Builds the demo model at ``path`` unless a complete one with the same spec is there."""
     path = Path(path) if path else default_demo_model_dir()
     marker = path / "shapeserve_demo.json"
-    if marker.is_file() and json.loads(marker.read_text()) == asdict(spec) and (path / "model.safetensors").is_file():
+    if marker.is_file() and json.loads(marker.read_text()) == _marker(spec) and (path / "model.safetensors").is_file():
         return path
     return write_demo_model(path, spec)

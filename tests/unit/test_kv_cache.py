@@ -1,0 +1,38 @@
+"""The CPU KV pool is zeroed without being written: its pages are touched only when blocks are used."""
+
+import os
+
+import pytest
+import torch
+
+from cluster.engine.kv_cache import allocate_kv_cache
+from cluster.kv_layout import KVLayout
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_pool_is_zeroed_writable_and_shaped(dtype):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype, num_blocks=6)
+    kv = allocate_kv_cache(layout)
+    assert kv.shape == layout.blocks_shape(6)
+    assert kv.dtype == getattr(torch, dtype) and kv.is_contiguous()
+    assert kv.data_ptr() % 64 == 0  # what vectorised kernels want
+    assert not kv.any()
+    kv[1, 0, 3] = 1.5
+    assert kv.sum().item() == 1.5 * 4 * 2 * 8
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_allocating_a_large_pool_does_not_touch_its_memory():
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=4096)
+    nbytes = 4 * 2 * 4096 * 16 * 4 * 64 * 4  # 512 MiB
+    before = _rss_bytes()
+    kv = allocate_kv_cache(layout)
+    assert _rss_bytes() - before < nbytes // 16
+    kv[0, 0, :64] = 1.0  # the blocks written are the memory used
+    assert _rss_bytes() - before < nbytes // 8
+    assert kv[0, 0, :64].sum().item() == 64 * 16 * 4 * 64
