@@ -230,12 +230,9 @@ def build_app(
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """Serve's application-builder entry point (``import_path: cluster.app:app_builder`` in a Serve
-    config YAML). ``args``: ``config`` (path of a ServeConfig YAML) and/or ``overrides`` (a mapping of
-    top-level ServeConfig fields), e.g. ``model``."""
-    from cluster.serving.config import load_serve_config
+    config YAML). ``args``: ``config`` (path of a ServeConfig YAML; the defaults without it) and/or
+    ``overrides`` (a mapping of top-level ServeConfig fields), e.g. ``model``. Anything else is an error:
+    ``shapeserve validate`` checks the same rules before a deploy."""
+    from cluster.serving.config import serve_config_from_app_args
 
-    config = load_serve_config(args.get("config"))
-    overrides = args.get("overrides") or {}
-    if overrides:
-        config = config.with_overrides(**overrides)
-    return build_app(config)
+    return build_app(serve_config_from_app_args(args))

@@ -36,6 +36,14 @@ class AutoscalingThresholds(_Frozen):
     target_running_seqs_per_replica: int = Field(64, ge=1)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    #: decode: KV use and running sequences are read as their peak over this many seconds (Serve's look-back
+    #: mean would average a short spike away).
+    spike_window_s: float = Field(5.0, gt=0)
+    #: prefill: how far ahead the queue is predicted from its trend: a replica asked for now serves after
+    #: about this long (Ray worker + model load; ``python -m bench.startup`` shows the replica's part).
+    replica_startup_s: float = Field(20.0, ge=0)
+    #: prefill: the window the queue's trend is fitted over.
+    trend_window_s: float = Field(10.0, gt=0)
 
 
 class PoolConfig(_Frozen):
@@ -153,19 +161,25 @@ class ServeConfig(_Frozen):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ServeConfig:
+        # Each message starts with the key it is about (``config_problems`` reports it as the key).
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:  # pragma: no cover - Literal already checks
-            raise ValueError(f"dtype must be one of {DTYPES}")
+            raise ValueError(f"dtype: must be one of {DTYPES}")
         for name in ("prefill", "decode"):
             pool: PoolConfig = getattr(self, name)
             a = pool.autoscaling
             if a is not None and a.min_replicas > a.max_replicas:
-                raise ValueError(f"{name}.autoscaling: min_replicas {a.min_replicas} > max_replicas {a.max_replicas}")
+                raise ValueError(
+                    f"{name}.autoscaling.min_replicas: {a.min_replicas} is above max_replicas {a.max_replicas}"
+                )
             if a is not None and a.kv_usage_scale_down >= a.kv_usage_scale_up:
-                raise ValueError(f"{name}.autoscaling: kv_usage_scale_down must be below kv_usage_scale_up")
+                raise ValueError(
+                    f"{name}.autoscaling.kv_usage_scale_down: {a.kv_usage_scale_down} must be below "
+                    f"kv_usage_scale_up {a.kv_usage_scale_up}"
+                )
         if self.admission.min_retry_after_s > self.admission.max_retry_after_s:
-            raise ValueError("admission.min_retry_after_s must not exceed max_retry_after_s")
+            raise ValueError("admission.min_retry_after_s: must not exceed admission.max_retry_after_s")
         return self
 
     # ---- derived ---------------------------------------------------------------------
@@ -211,14 +225,25 @@ class ServeConfig(_Frozen):
         return parse_serve_config(data)
 
 
+def config_problems(error: ValidationError) -> list[tuple[str, str]]:
+    """(dotted key, what is wrong) for every error of a ServeConfig validation."""
+    problems = []
+    for err in error.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not key and ": " in msg:  # a cross-field rule: its message starts with the key
+            key, msg = msg.split(": ", 1)
+        problems.append((key or "(top level)", msg))
+    return problems
+
+
 def parse_serve_config(data: dict | None, source: str = "config") -> ServeConfig:
     """Validates a mapping; raises ConfigError naming the field and what to change."""
     try:
         return ServeConfig.model_validate(data or {})
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise ConfigError(f"{source}: {where}: {err['msg']}", where) from None
+        where, msg = config_problems(e)[0]
+        raise ConfigError(f"{source}: {where}: {msg}", where) from None
 
 
 def load_serve_config(path: str | Path | None) -> ServeConfig:
@@ -238,3 +263,29 @@ def load_serve_config(path: str | Path | None) -> ServeConfig:
     if raw and "shapeserve" in raw and isinstance(raw["shapeserve"], dict):
         raw = raw["shapeserve"]
     return parse_serve_config(raw, str(path))
+
+
+def serve_config_from_app_args(args: dict, prefix: str = "args") -> ServeConfig:
+    """The ServeConfig ``cluster.app:app_builder`` builds from a Serve config's ``args``: ``config`` (a
+    ServeConfig file; the defaults without it) and ``overrides`` (top-level fields). Raises ConfigError naming
+    the key (``prefix.config``, ``prefix.overrides.FIELD``); relative paths are read from the current directory,
+    as ``serve run`` does."""
+    unknown = sorted(set(args) - {"config", "overrides"})
+    if unknown:
+        key = f"{prefix}.{unknown[0]}"
+        raise ConfigError(f"{key}: unknown argument; the builder takes 'config' and 'overrides'", key)
+    config_path = args.get("config")
+    overrides = args.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{prefix}.overrides: expected a mapping of ServeConfig fields", f"{prefix}.overrides")
+    if config_path is not None and not isinstance(config_path, str):
+        raise ConfigError(f"{prefix}.config: expected the path of a ServeConfig YAML file", f"{prefix}.config")
+    config = load_serve_config(config_path)  # its errors name the file and the key in it
+    if not overrides:
+        return config
+    source = f"{prefix}.overrides"
+    try:
+        return parse_serve_config({**config.model_dump(), **overrides}, source)
+    except ConfigError as e:
+        key = f"{source}.{e.param}"
+        raise ConfigError(f"{key}: {e.message.removeprefix(f'{source}: {e.param}: ')}", key) from None

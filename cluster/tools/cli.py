@@ -1,4 +1,4 @@
-"""The ``shapeserve`` command: serve, run-batch, bench, demo-model."""
+"""The ``shapeserve`` command: serve, run-batch, bench, validate, demo-model."""
 
 from __future__ import annotations
 
@@ -125,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     loadgen.add_arguments(bench)
     bench.set_defaults(func=loadgen.run)
+
+    val = sub.add_parser(
+        "validate",
+        help="check Ray cluster files, Serve configs and ServeConfigs before deploying them",
+        description="Checks each FILE with its own schema (Ray's cluster validation, Serve's schema, shapeserve's "
+        "ServeConfig) and, given a cluster file with a config, that every pool fits a node type. Exit status 1 on "
+        "any problem.",
+    )
+    from cluster.tools import validate
+
+    validate.add_arguments(val)
+    val.set_defaults(func=validate.run)
 
     dm = sub.add_parser("demo-model", help="write a small random-weight Llama with a tokenizer")
     dm.add_argument("dir")

@@ -22,17 +22,28 @@ def test_gpu_config_places_pools_on_tagged_nodes():
 
 
 def test_serve_app_yaml_and_autoscaling_policies():
+    # One source of truth: the policies and their thresholds come from the ServeConfig's autoscaling blocks.
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.serving.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
+    from cluster.serving.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy, serve_autoscaling_config
 
-    ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / "serve-app.yaml").read_text()))
-    policies = [
-        AutoscalingConfig(**d["autoscaling_config"]).policy.get_policy()
-        for d in yaml.safe_load((DEPLOY / "autoscaling.yaml").read_text())["deployments"]
-    ]
-    assert policies == [PrefillAutoscalingPolicy, DecodeAutoscalingPolicy]
+    for name in ("serve-app.yaml", "serve-app-local.yaml"):
+        ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / name).read_text()))
+    cfg = load_serve_config(DEPLOY / "shapeserve.yaml")
+    for pool, policy_class in (("prefill", PrefillAutoscalingPolicy), ("decode", DecodeAutoscalingPolicy)):
+        thresholds = getattr(cfg, pool).autoscaling
+        serve_config = AutoscalingConfig(**serve_autoscaling_config(pool, thresholds))
+        assert serve_config.policy.get_policy() is policy_class
+        assert serve_config.policy.policy_kwargs == thresholds.model_dump()
+        assert serve_config.max_replicas == thresholds.max_replicas
+    assert sorted(p.name for p in DEPLOY.glob("*.yaml")) == [
+        "cluster-gpu.yaml",
+        "serve-app-local.yaml",
+        "serve-app.yaml",
+        "shapeserve-local.yaml",
+        "shapeserve.yaml",
+    ]  # every file here is read by something (tests/unit/test_validate.py validates each)
 
 
 def test_app_builder_builds_the_graph():
