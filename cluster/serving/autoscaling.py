@@ -1,25 +1,67 @@
-"""Custom Serve autoscaling policies for the two pools; thresholds come from the config files.
+"""Custom Serve autoscaling policies for the two pools; thresholds come from the ServeConfig.
 
 Each pool replica reports its load through Serve's ``record_autoscaling_stats`` (prefill:
-``queued_prefill_tokens``; decode: ``kv_usage`` and ``running_seqs``). The decisions are
+``queued_prefill_tokens``; decode: ``kv_usage`` and ``running_seqs``); Serve hands the policies
+every replica's recent samples (``raw_metrics``) and their look-back means. The decisions are
 pure functions of those numbers and an ``AutoscalingThresholds`` (tested without Ray); the
 policy classes adapt them to Serve's ``AutoscalingContext`` (``policy_kwargs`` = the
-thresholds, so a YAML edit changes the policy). Hysteresis comes from Serve's upscale/
+thresholds, so a config edit changes the policy) and log every change with its inputs.
+
+- Prefill scales ahead of the load: the queue is predicted ``replica_startup_s`` ahead from its
+  trend (a least-squares slope over ``trend_window_s``), since a replica asked for now only
+  serves that much later.
+- Decode scales on the peak of KV use and running sequences over ``spike_window_s``: a
+  look-back mean averages a short spike away, and a decode replica that runs out of KV blocks
+  preempts.
+
+Hysteresis comes from the band between the up and down thresholds and Serve's upscale/
 downscale delays; a replica chosen for scale-down drains (Serve stops routing to it and waits
 ``graceful_shutdown_timeout_s`` for its running requests) before it goes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.serving.config import AutoscalingThresholds
 
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reported value of one replica (Serve's ``TimeStampedValue``: ``timestamp``, ``value``)."""
+
+    timestamp: float
+    value: float
+
 
 def _clamp(n: int, t: AutoscalingThresholds) -> int:
     return max(t.min_replicas, min(t.max_replicas, n))
+
+
+def queue_trend(series: Sequence[Sample], now: float, window_s: float) -> float:
+    """Least-squares slope (units per second) of the samples of the last ``window_s``; 0 with fewer than 3."""
+    recent = [s for s in series if s.timestamp >= now - window_s]
+    if len(recent) < 3:
+        return 0.0
+    n = len(recent)
+    mean_t = sum(s.timestamp for s in recent) / n
+    mean_v = sum(s.value for s in recent) / n
+    var = sum((s.timestamp - mean_t) ** 2 for s in recent)
+    if var == 0:
+        return 0.0
+    return sum((s.timestamp - mean_t) * (s.value - mean_v) for s in recent) / var
+
+
+def peak(series: Sequence[Sample], now: float, window_s: float) -> float:
+    """The largest sample of the last ``window_s`` (the latest sample when none is that recent)."""
+    recent = [s.value for s in series if s.timestamp >= now - window_s]
+    return max(recent) if recent else (series[-1].value if series else 0.0)
 
 
 def prefill_desired_replicas(current: int, queued_prefill_tokens: float, t: AutoscalingThresholds) -> int:
@@ -27,10 +69,17 @@ def prefill_desired_replicas(current: int, queued_prefill_tokens: float, t: Auto
     return _clamp(math.ceil(queued_prefill_tokens / t.target_queued_prefill_tokens_per_replica), t)
 
 
-def decode_desired_replicas(current: int, kv_usage: float, running_seqs: float, t: AutoscalingThresholds) -> int:
-    """Up by one above the KV-use threshold (or when sequences outgrow the target), down by one below.
+def predicted_queue(queued_now: float, trend_tokens_per_s: float, t: AutoscalingThresholds) -> float:
+    """The queue when a replica asked for now would start serving, if it keeps growing as it has (a shrinking
+    queue is not extrapolated down: scale-down waits for the queue itself)."""
+    return queued_now + max(0.0, trend_tokens_per_s) * t.replica_startup_s
 
-    ``kv_usage``: mean KV block use over replicas (0..1); ``running_seqs``: total running sequences.
+
+def decode_desired_replicas(current: int, kv_usage: float, running_seqs: float, t: AutoscalingThresholds) -> int:
+    """Up by one above the KV-use threshold (or to what sequences need when they outgrow the target), down by one
+    below the lower threshold when the sequences fit one replica fewer; otherwise hold.
+
+    ``kv_usage``: mean over replicas of KV block use (0..1); ``running_seqs``: total running sequences.
     """
     by_seqs = math.ceil(running_seqs / t.target_running_seqs_per_replica)
     if kv_usage > t.kv_usage_scale_up or by_seqs > current:
@@ -40,11 +89,41 @@ def decode_desired_replicas(current: int, kv_usage: float, running_seqs: float, 
     return _clamp(current, t)
 
 
-def _per_replica(ctx: Any, name: str) -> list[float]:
+# ---- Serve's side --------------------------------------------------------------------------------------------
+
+
+def _series(ctx: Any, name: str) -> list[list[Sample]]:
+    """Each replica's samples of ``name``, oldest first (Serve's raw metrics); the look-back mean as one sample
+    per replica when Serve gives no raw series."""
+    now = _now(ctx)
+    raw: Mapping[str, Mapping[Any, Sequence[Any]]] | None = getattr(ctx, "raw_metrics", None)
+    if raw and raw.get(name):
+        return [
+            sorted((Sample(s.timestamp, float(s.value)) for s in series), key=lambda s: s.timestamp)
+            for series in raw[name].values()
+            if series
+        ]
     metrics: Mapping[str, Mapping[Any, float]] | None = ctx.aggregated_metrics
     if not metrics or name not in metrics:
         return []
-    return [float(v) for v in metrics[name].values()]
+    return [[Sample(now, float(v))] for v in metrics[name].values()]
+
+
+def _now(ctx: Any) -> float:
+    now = getattr(ctx, "current_time", None)
+    if now is not None:
+        return float(now)
+    raw = getattr(ctx, "raw_metrics", None) or {}
+    stamps = [s.timestamp for by_replica in raw.values() for series in by_replica.values() for s in series]
+    import time
+
+    return max(stamps) if stamps else time.time()
+
+
+def _decided(pool: str, ctx: Any, desired: int, why: str) -> tuple[int, dict[str, Any]]:
+    if desired != ctx.current_num_replicas:
+        log.info("autoscaling %s pool: %d -> %d replicas (%s)", pool, ctx.current_num_replicas, desired, why)
+    return desired, getattr(ctx, "policy_state", None) or {}
 
 
 class PrefillAutoscalingPolicy:
@@ -54,10 +133,19 @@ class PrefillAutoscalingPolicy:
         self.t = AutoscalingThresholds(**thresholds)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        queued = _per_replica(ctx, "queued_prefill_tokens")
-        if not queued:
-            return _clamp(ctx.current_num_replicas, self.t), {}
-        return prefill_desired_replicas(ctx.current_num_replicas, sum(queued), self.t), {}
+        per_replica = _series(ctx, "queued_prefill_tokens")
+        if not per_replica:
+            return _clamp(ctx.current_num_replicas, self.t), getattr(ctx, "policy_state", None) or {}
+        now = _now(ctx)
+        queued = sum(series[-1].value for series in per_replica)
+        trend = sum(queue_trend(series, now, self.t.trend_window_s) for series in per_replica)
+        predicted = predicted_queue(queued, trend, self.t)
+        desired = prefill_desired_replicas(ctx.current_num_replicas, predicted, self.t)
+        why = (
+            f"queued prefill tokens {queued:.0f}, trend {trend:+.0f}/s, predicted {predicted:.0f} in "
+            f"{self.t.replica_startup_s:g} s; target {self.t.target_queued_prefill_tokens_per_replica} per replica"
+        )
+        return _decided("prefill", ctx, desired, why)
 
 
 class DecodeAutoscalingPolicy:
@@ -65,12 +153,20 @@ class DecodeAutoscalingPolicy:
         self.t = AutoscalingThresholds(**thresholds)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        usage = _per_replica(ctx, "kv_usage")
-        running = _per_replica(ctx, "running_seqs")
+        usage = _series(ctx, "kv_usage")
+        running = _series(ctx, "running_seqs")
         if not usage:
-            return _clamp(ctx.current_num_replicas, self.t), {}
-        mean_usage = sum(usage) / len(usage)
-        return decode_desired_replicas(ctx.current_num_replicas, mean_usage, sum(running), self.t), {}
+            return _clamp(ctx.current_num_replicas, self.t), getattr(ctx, "policy_state", None) or {}
+        now, window = _now(ctx), self.t.spike_window_s
+        kv_peak = sum(peak(series, now, window) for series in usage) / len(usage)
+        seqs_peak = sum(peak(series, now, window) for series in running)
+        desired = decode_desired_replicas(ctx.current_num_replicas, kv_peak, seqs_peak, self.t)
+        why = (
+            f"KV use peak {kv_peak:.2f} and running sequences peak {seqs_peak:.0f} over {window:g} s; "
+            f"thresholds {self.t.kv_usage_scale_down}-{self.t.kv_usage_scale_up}, "
+            f"{self.t.target_running_seqs_per_replica} sequences per replica"
+        )
+        return _decided("decode", ctx, desired, why)
 
 
 def serve_autoscaling_config(pool: str, t: AutoscalingThresholds) -> dict[str, Any]:
@@ -81,5 +177,7 @@ def serve_autoscaling_config(pool: str, t: AutoscalingThresholds) -> dict[str, A
         "max_replicas": t.max_replicas,
         "upscale_delay_s": t.upscale_delay_s,
         "downscale_delay_s": t.downscale_delay_s,
+        # Serve keeps (and averages) this much of each replica's reports; the policies read the raw samples.
+        "look_back_period_s": max(t.spike_window_s, t.trend_window_s),
         "policy": {"policy_function": policy, "policy_kwargs": t.model_dump()},
     }
