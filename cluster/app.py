@@ -171,6 +171,10 @@ def _pool_options(
         # (``shapeserve serve`` sets it for the whole local cluster instead: a runtime_env costs a worker
         # start of its own.)
         actor["runtime_env"] = {"env_vars": dict(ARENA_ENV)}
+    if pool.autoscaling is not None:
+        # Serve reads the push interval from the replica's environment only.
+        env = actor.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(pool.autoscaling.metrics_push_interval_s)
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     opts: dict[str, Any] = {

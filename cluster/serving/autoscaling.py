@@ -44,9 +44,18 @@ def _clamp(n: int, t: AutoscalingThresholds) -> int:
     return max(t.min_replicas, min(t.max_replicas, n))
 
 
-def queue_trend(series: Sequence[Sample], now: float, window_s: float) -> float:
+def _recent(series: Sequence[Sample], window_s: float) -> list[Sample]:
+    """The samples of the ``window_s`` up to the series' latest one. Replicas push their samples in batches
+    (Serve's ``metrics_interval_s``), so the window ends at the latest sample, not at the controller's clock."""
+    if not series:
+        return []
+    end = series[-1].timestamp
+    return [s for s in series if s.timestamp >= end - window_s]
+
+
+def queue_trend(series: Sequence[Sample], window_s: float) -> float:
     """Least-squares slope (units per second) of the samples of the last ``window_s``; 0 with fewer than 3."""
-    recent = [s for s in series if s.timestamp >= now - window_s]
+    recent = _recent(series, window_s)
     if len(recent) < 3:
         return 0.0
     n = len(recent)
@@ -58,10 +67,9 @@ def queue_trend(series: Sequence[Sample], now: float, window_s: float) -> float:
     return sum((s.timestamp - mean_t) * (s.value - mean_v) for s in recent) / var
 
 
-def peak(series: Sequence[Sample], now: float, window_s: float) -> float:
-    """The largest sample of the last ``window_s`` (the latest sample when none is that recent)."""
-    recent = [s.value for s in series if s.timestamp >= now - window_s]
-    return max(recent) if recent else (series[-1].value if series else 0.0)
+def peak(series: Sequence[Sample], window_s: float) -> float:
+    """The largest sample of the last ``window_s`` of the series (0 for none)."""
+    return max((s.value for s in _recent(series, window_s)), default=0.0)
 
 
 def prefill_desired_replicas(current: int, queued_prefill_tokens: float, t: AutoscalingThresholds) -> int:
@@ -95,7 +103,6 @@ def decode_desired_replicas(current: int, kv_usage: float, running_seqs: float, 
 def _series(ctx: Any, name: str) -> list[list[Sample]]:
     """Each replica's samples of ``name``, oldest first (Serve's raw metrics); the look-back mean as one sample
     per replica when Serve gives no raw series."""
-    now = _now(ctx)
     raw: Mapping[str, Mapping[Any, Sequence[Any]]] | None = getattr(ctx, "raw_metrics", None)
     if raw and raw.get(name):
         return [
@@ -106,28 +113,28 @@ def _series(ctx: Any, name: str) -> list[list[Sample]]:
     metrics: Mapping[str, Mapping[Any, float]] | None = ctx.aggregated_metrics
     if not metrics or name not in metrics:
         return []
-    return [[Sample(now, float(v))] for v in metrics[name].values()]
+    return [[Sample(0.0, float(v))] for v in metrics[name].values()]
 
 
-def _now(ctx: Any) -> float:
-    now = getattr(ctx, "current_time", None)
-    if now is not None:
-        return float(now)
-    raw = getattr(ctx, "raw_metrics", None) or {}
-    stamps = [s.timestamp for by_replica in raw.values() for series in by_replica.values() for s in series]
-    import time
+class _LoggedDecisions:
+    """Logs a pool's decision when it changes (Serve calls a policy about every 0.1 s, and a decision stands
+    through Serve's delay and the new replica's start): one line per change, with its inputs."""
 
-    return max(stamps) if stamps else time.time()
+    pool = ""
 
-
-def _decided(pool: str, ctx: Any, desired: int, why: str) -> tuple[int, dict[str, Any]]:
-    if desired != ctx.current_num_replicas:
-        log.info("autoscaling %s pool: %d -> %d replicas (%s)", pool, ctx.current_num_replicas, desired, why)
-    return desired, getattr(ctx, "policy_state", None) or {}
+    def _decided(self, ctx: Any, desired: int, why: str) -> tuple[int, dict[str, Any]]:
+        current = ctx.current_num_replicas
+        if desired != current and (current, desired) != getattr(self, "_last_logged", None):
+            log.info("autoscaling %s pool: %d -> %d replicas (%s)", self.pool, current, desired, why)
+        self._last_logged = (current, desired) if desired != current else None
+        return desired, getattr(ctx, "policy_state", None) or {}
 
 
-class PrefillAutoscalingPolicy:
-    """Serve policy (``policy_function`` = this class, ``policy_kwargs`` = AutoscalingThresholds fields)."""
+class PrefillAutoscalingPolicy(_LoggedDecisions):
+    """Serve policy (``policy_function`` = this class, ``policy_kwargs`` = AutoscalingThresholds fields); Serve
+    makes one instance per deployment and calls it every tick."""
+
+    pool = "prefill"
 
     def __init__(self, **thresholds: Any):
         self.t = AutoscalingThresholds(**thresholds)
@@ -136,19 +143,20 @@ class PrefillAutoscalingPolicy:
         per_replica = _series(ctx, "queued_prefill_tokens")
         if not per_replica:
             return _clamp(ctx.current_num_replicas, self.t), getattr(ctx, "policy_state", None) or {}
-        now = _now(ctx)
         queued = sum(series[-1].value for series in per_replica)
-        trend = sum(queue_trend(series, now, self.t.trend_window_s) for series in per_replica)
+        trend = sum(queue_trend(series, self.t.trend_window_s) for series in per_replica)
         predicted = predicted_queue(queued, trend, self.t)
         desired = prefill_desired_replicas(ctx.current_num_replicas, predicted, self.t)
         why = (
             f"queued prefill tokens {queued:.0f}, trend {trend:+.0f}/s, predicted {predicted:.0f} in "
             f"{self.t.replica_startup_s:g} s; target {self.t.target_queued_prefill_tokens_per_replica} per replica"
         )
-        return _decided("prefill", ctx, desired, why)
+        return self._decided(ctx, desired, why)
 
 
-class DecodeAutoscalingPolicy:
+class DecodeAutoscalingPolicy(_LoggedDecisions):
+    pool = "decode"
+
     def __init__(self, **thresholds: Any):
         self.t = AutoscalingThresholds(**thresholds)
 
@@ -157,16 +165,16 @@ class DecodeAutoscalingPolicy:
         running = _series(ctx, "running_seqs")
         if not usage:
             return _clamp(ctx.current_num_replicas, self.t), getattr(ctx, "policy_state", None) or {}
-        now, window = _now(ctx), self.t.spike_window_s
-        kv_peak = sum(peak(series, now, window) for series in usage) / len(usage)
-        seqs_peak = sum(peak(series, now, window) for series in running)
+        window = self.t.spike_window_s
+        kv_peak = sum(peak(series, window) for series in usage) / len(usage)
+        seqs_peak = sum(peak(series, window) for series in running)
         desired = decode_desired_replicas(ctx.current_num_replicas, kv_peak, seqs_peak, self.t)
         why = (
             f"KV use peak {kv_peak:.2f} and running sequences peak {seqs_peak:.0f} over {window:g} s; "
             f"thresholds {self.t.kv_usage_scale_down}-{self.t.kv_usage_scale_up}, "
             f"{self.t.target_running_seqs_per_replica} sequences per replica"
         )
-        return _decided("decode", ctx, desired, why)
+        return self._decided(ctx, desired, why)
 
 
 def serve_autoscaling_config(pool: str, t: AutoscalingThresholds) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class AutoscalingThresholds(_Frozen):
     replica_startup_s: float = Field(20.0, ge=0)
     #: prefill: the window the queue's trend is fitted over.
     trend_window_s: float = Field(10.0, gt=0)
+    #: How often each replica pushes its samples to Serve's controller (Serve's default, 10 s, leaves every
+    #: decision up to 10 s behind the load); set in the replica's environment.
+    metrics_push_interval_s: float = Field(1.0, gt=0)
 
 
 class PoolConfig(_Frozen):

@@ -49,10 +49,13 @@ def test_decode_scaling_by_kv_use_and_sequences():
 
 def test_trend_and_peak():
     rising = [Sample(NOW - 10 + i, 100.0 * i) for i in range(11)]
-    assert math.isclose(queue_trend(rising, NOW, 10), 100.0)
-    assert queue_trend(rising[-2:], NOW, 10) == 0.0  # too few samples to call it a trend
-    assert peak([Sample(NOW - 20, 0.99), Sample(NOW - 1, 0.5)], NOW, 5) == 0.5  # the old spike is over
-    assert peak([Sample(NOW - 20, 0.7)], NOW, 5) == 0.7  # nothing recent: the latest report
+    assert math.isclose(queue_trend(rising, 10), 100.0)
+    assert math.isclose(queue_trend(rising, 3), 100.0)  # the window ends at the latest sample
+    assert queue_trend(rising[-2:], 10) == 0.0  # too few samples to call it a trend
+    assert peak([Sample(NOW - 20, 0.99), Sample(NOW - 1, 0.5)], 5) == 0.5  # the old spike is over
+    # Samples arrive in batches: the window ends at the latest one, however late it reached the controller.
+    assert peak([Sample(NOW - 30, 0.2), Sample(NOW - 22, 0.97), Sample(NOW - 20, 0.6)], 5) == 0.97
+    assert peak([], 5) == 0.0
 
 
 def context(current: int, metrics: dict[str, list[list[tuple[float, float]]]]) -> AutoscalingContext:
@@ -136,8 +139,10 @@ def test_decode_holds_in_the_band_and_scales_down_when_idle():
 
 def test_decisions_are_logged_with_their_inputs(caplog):
     policy = PrefillAutoscalingPolicy(**T.model_dump())
+    rising = {"queued_prefill_tokens": [series([100 + 50 * i for i in range(11)])]}
     with caplog.at_level(logging.INFO, logger="ray.serve"):
-        policy(context(1, {"queued_prefill_tokens": [series([100 + 50 * i for i in range(11)])]}))
+        for _ in range(5):  # Serve asks every tick while the decision waits out its delay: logged once
+            policy(context(1, rising))
         policy(context(1, {"queued_prefill_tokens": [series([10] * 11)]}))  # no change: nothing logged
     (record,) = [r for r in caplog.records if "autoscaling" in r.getMessage()]
     assert "prefill pool: 1 -> 3 replicas (queued prefill tokens 600, trend +100/s, predicted 2600 in 20 s" in (

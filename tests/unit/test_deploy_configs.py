@@ -61,7 +61,13 @@ def test_pool_options_follow_the_placement():
     cfg = load_serve_config(DEPLOY / "shapeserve.yaml")
     placement = place_pools(cfg, cluster_cpus=64, cluster_gpus=8)
     opts = _pool_options("DecodeWorker", cfg.decode, placement.decode, cfg, DecodeRequestRouter)
-    assert opts["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1, "resources": {"decode": 1}}
+    assert opts["ray_actor_options"] == {
+        "num_cpus": 4,
+        "num_gpus": 1,
+        "resources": {"decode": 1},
+        # an autoscaled pool's replicas push their load every second, not Serve's 10 s
+        "runtime_env": {"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1.0"}},
+    }
     assert opts["request_router_config"].request_router_kwargs == {"block_size": 16}
     assert "autoscaling_config" in opts and "num_replicas" not in opts
     local = load_serve_config(DEPLOY / "shapeserve-local.yaml")
