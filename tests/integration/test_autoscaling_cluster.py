@@ -1,5 +1,6 @@
-"""The decode pool scales on a real multi-node local Ray cluster: a load ramp takes it from 1 replica to 2, the
-end of the load back to 1, and every request of the run completes (the replica that left drained first)."""
+"""A pool scales on a real multi-node local Ray cluster: a load ramp takes it from 1 replica to 2, the end of the
+load back to 1, and every request of the run completes (the replica that left drained first). One test per pool:
+the decode pool on running sequences, the prefill pool on queued prompt tokens (REMOTE requests)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
-
-MAX_TOKENS = 48
 
 
 def _free_port() -> int:
@@ -22,34 +22,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def decode_replicas(app: str) -> int:
+def replicas(app: str, deployment: str) -> int:
     from ray import serve
 
-    status = serve.status().applications[app].deployments["DecodeWorker"]
+    status = serve.status().applications[app].deployments[deployment]
     return status.replica_states.get("RUNNING", 0)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, i: int) -> int:
-    body = {"model": "demo", "prompt": [4 + (i * 37 + k) % 400 for k in range(8)], "max_tokens": MAX_TOKENS}
-    r = await client.post(f"{url}/v1/completions", json={**body, "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]["completion_tokens"]
-
-
-async def load(url: str, concurrency: int, until, results: list[int]) -> None:
+async def load(
+    url: str, concurrency: int, prompt: Callable[[int], list[int]], max_tokens: int, until, results: list[int]
+) -> None:
     """``concurrency`` clients each sending requests back to back until ``until()`` is true."""
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def worker(w: int) -> None:
             n = 0
             while not until():
-                results.append(await one_request(client, url, w * 1000 + n))
+                body = {"model": "demo", "prompt": prompt(w * 1000 + n), "max_tokens": max_tokens}
+                r = await client.post(f"{url}/v1/completions", json={**body, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                results.append(r.json()["usage"]["completion_tokens"])
                 n += 1
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
 
 
-def test_decode_pool_scales_up_under_load_and_drains_down(demo_model):
+def scale_up_and_down(
+    demo_model, config: dict, nodes: list[dict], deployment: str, prompt, max_tokens: int, ramp_clients: int
+):
     auth_mode = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
@@ -60,56 +60,37 @@ def test_decode_pool_scales_up_under_load_and_drains_down(demo_model):
     from cluster.serving.config import parse_serve_config
 
     port = _free_port()
-    config = parse_serve_config(
-        {
-            "device": "cpu",
-            "host": "127.0.0.1",
-            "port": port,
-            "served_model_name": "demo",
-            "disaggregation": "off",
-            "decode": {
-                "num_cpus": 0,
-                "num_threads": 1,
-                "num_blocks": 256,
-                "resources": {"decode": 1},
-                "autoscaling": {
-                    "min_replicas": 1,
-                    "max_replicas": 2,
-                    "target_running_seqs_per_replica": 2,
-                    "spike_window_s": 2,
-                    "trend_window_s": 2,
-                    "upscale_delay_s": 0.5,
-                    "downscale_delay_s": 2,
-                    "metrics_push_interval_s": 0.5,
-                },
-            },
-            "timeouts": {"request_timeout_s": 60},
-        }
+    serve_config = parse_serve_config(
+        {"device": "cpu", "host": "127.0.0.1", "port": port, "served_model_name": "demo", **config}
     )
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"decode": 1})
-    cluster.add_node(num_cpus=1, resources={"decode": 1})
+    for node in nodes:
+        cluster.add_node(num_cpus=1, resources=node)
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config, str(demo_model)), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(serve_config, str(demo_model)), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        assert decode_replicas(APP_NAME) == 1
+        _wait(lambda: httpx.get(f"{url}/health").status_code == 200, 60)
+        assert replicas(APP_NAME, deployment) == 1
         results: list[int] = []
         t0 = time.monotonic()
-        # The ramp: 6 clients, 3x a replica's target of running sequences, until the second replica serves.
-        asyncio.run(load(url, 6, lambda: decode_replicas(APP_NAME) == 2 or time.monotonic() - t0 > 120, results))
-        assert decode_replicas(APP_NAME) == 2, "the decode pool did not scale up under load"
+        # The ramp: more load than one replica's target, until the second replica serves.
+        until_up = lambda: replicas(APP_NAME, deployment) == 2 or time.monotonic() - t0 > 120  # noqa: E731
+        asyncio.run(load(url, ramp_clients, prompt, max_tokens, until_up, results))
+        assert replicas(APP_NAME, deployment) == 2, f"the {deployment} pool did not scale up under load"
         up_s = time.monotonic() - t0
         # The drop: one client keeps sending while the pool shrinks; requests on the replica that leaves finish.
         t1 = time.monotonic()
-        asyncio.run(load(url, 1, lambda: decode_replicas(APP_NAME) == 1 or time.monotonic() - t1 > 120, results))
-        assert decode_replicas(APP_NAME) == 1, "the decode pool did not scale back down"
-        # And the pool still serves afterwards.
+        until_down = lambda: replicas(APP_NAME, deployment) == 1 or time.monotonic() - t1 > 120  # noqa: E731
+        asyncio.run(load(url, 1, prompt, max_tokens, until_down, results))
+        assert replicas(APP_NAME, deployment) == 1, f"the {deployment} pool did not scale back down"
         n_before = len(results)
-        asyncio.run(load(url, 2, lambda: len(results) >= n_before + 4, results))
-        assert results and all(n == MAX_TOKENS for n in results)  # every request of the run completed in full
-        print(f"scaled up after {up_s:.1f} s, down after {time.monotonic() - t1:.1f} s; {len(results)} requests")
+        asyncio.run(
+            load(url, 2, prompt, max_tokens, lambda: len(results) >= n_before + 4, results)
+        )  # still serving after
+        assert all(n == max_tokens for n in results)  # every request of the run completed in full
+        print(f"{deployment}: up after {up_s:.1f} s, down after {time.monotonic() - t1:.1f} s; {len(results)} requests")
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -118,3 +99,64 @@ def test_decode_pool_scales_up_under_load_and_drains_down(demo_model):
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = auth_mode
+
+
+def _wait(cond, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if cond():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError("the pools did not become healthy")
+
+
+FAST_POLICY = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 2}
+FAST_POLICY |= {"spike_window_s": 2, "trend_window_s": 2, "replica_startup_s": 2, "metrics_push_interval_s": 0.5}
+POOL = {"num_cpus": 0, "num_threads": 1, "num_blocks": 256}
+
+
+def test_decode_pool_scales_up_under_load_and_drains_down(demo_model):
+    config = {
+        "disaggregation": "off",
+        "decode": {
+            **POOL,
+            "resources": {"decode": 1},
+            "autoscaling": {**FAST_POLICY, "target_running_seqs_per_replica": 2},
+        },
+        "timeouts": {"request_timeout_s": 60},
+    }
+
+    def short(i: int) -> list[int]:  # 8 tokens: LOCAL
+        return [4 + (i * 37 + k) % 400 for k in range(8)]
+
+    nodes = [{"decode": 1}, {"decode": 1}]
+    scale_up_and_down(demo_model, config, nodes, "DecodeWorker", short, max_tokens=48, ramp_clients=6)
+
+
+def test_prefill_pool_scales_up_under_long_prompts_and_drains_down(demo_model):
+    config = {
+        "disaggregation": "on",
+        "kv_transfer_host": "127.0.0.1",
+        "classifier": {"local_max_uncached_tokens": 32},
+        # Small prefill chunks: a queue of prompt tokens builds on the prefill replica.
+        "prefill": {
+            **POOL,
+            "resources": {"prefill": 1},
+            "max_num_batched_tokens": 32,
+            # 8 clients keep ~8 prompts of 400 tokens queued; one client at most one (600 leaves room for its
+            # queue's sawtooth trend, extrapolated replica_startup_s ahead).
+            "autoscaling": {**FAST_POLICY, "replica_startup_s": 0.5, "target_queued_prefill_tokens_per_replica": 600},
+        },
+        "decode": {**POOL, "resources": {"decode": 1}},
+        "timeouts": {"request_timeout_s": 60, "prefill_timeout_s": 30},
+    }
+
+    def long(i: int) -> list[int]:  # 400 tokens, REMOTE; the first two make each one new to the prefix cache
+        return [4 + i % 400, 4 + (i // 400) % 400] + [4 + (k * 17) % 500 for k in range(398)]
+
+    nodes = [{"prefill": 1}, {"prefill": 1}, {"decode": 1}]
+    # Prompts, not outputs: two tokens each, so the prefill pool is what the load fills.
+    scale_up_and_down(demo_model, config, nodes, "PrefillWorker", long, max_tokens=2, ramp_clients=8)
