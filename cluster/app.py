@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.engine.host_memory import ARENA_ENV
-from cluster.serving.autoscaling import serve_autoscaling_config
+from cluster.serving.autoscaling import replica_env, serve_autoscaling_config
 from cluster.serving.config import PoolConfig, ServeConfig
 from cluster.serving.messages import PrefillResult, PrefillTask, ReplicaStats
 from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
@@ -172,9 +172,7 @@ def _pool_options(
         # start of its own.)
         actor["runtime_env"] = {"env_vars": dict(ARENA_ENV)}
     if pool.autoscaling is not None:
-        # Serve reads the push interval from the replica's environment only.
-        env = actor.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(pool.autoscaling.metrics_push_interval_s)
+        actor.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(replica_env(pool.autoscaling))
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     opts: dict[str, Any] = {

@@ -8,6 +8,7 @@ plan out (admission ticket, dispatch, response).
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -76,14 +77,19 @@ def plan_request(
     return RequestPlan(params, tuple(prompt), hashes, geometry, decision)
 
 
-def rejection(plan: RequestPlan, config: ServeConfig) -> APIError:
-    """The 429 for a REJECT plan, with Retry-After from the class's predicted wait."""
+def rejection(plan: RequestPlan, config: ServeConfig, rng: random.Random | None = None) -> APIError:
+    """The 429 for a REJECT plan, with Retry-After from the class's predicted wait, spread over
+    [wait, wait x (1 + retry_after_jitter)]: clients refused in the same burst do not all come back in the same
+    second (and find the class full again). ``rng``: where the spread is drawn from (a seeded one in tests)."""
     d = plan.decision
-    retry = d.retry_after_s or config.admission.min_retry_after_s
+    adm = config.admission
+    wait = d.retry_after_s or adm.min_retry_after_s
+    spread = wait * (1.0 + (rng or random).uniform(0.0, adm.retry_after_jitter))
+    retry = min(max(math.ceil(spread), adm.min_retry_after_s), adm.max_retry_after_s)
     return APIError(
         429,
         f"server is at capacity for {d.route_class.value} requests ({d.reason}); retry after {retry} s",
         "rate_limit_error",
         code="rate_limit_exceeded",
-        headers={"Retry-After": str(math.ceil(retry))},
+        headers={"Retry-After": str(retry)},
     )

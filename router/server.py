@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -101,6 +102,8 @@ class OpenAIServer:
         self._refreshing: asyncio.Task | None = None
         self.metrics = RouterMetrics(config.slo, stats_source=lambda: self.pool_stats, model_name=config.model_name)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        #: Spreads Retry-After over clients refused together (``router.plan.rejection``).
+        self._retry_rng = random.Random()
 
     # ---- the ASGI app -------------------------------------------------------------------------
 
@@ -241,7 +244,7 @@ class OpenAIServer:
         if plan.route is Route.REJECT:
             self.metrics.rejected.labels(plan.decision.route_class.value).inc()
             self.metrics.errors.labels("429").inc()
-            raise rejection(plan, self.config)
+            raise rejection(plan, self.config, self._retry_rng)
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
         run = RequestRun(self, kind, req, rid, plan, arrival)
         started = await run.start()

@@ -177,6 +177,25 @@ class DecodeAutoscalingPolicy(_LoggedDecisions):
         return self._decided(ctx, desired, why)
 
 
+#: Serve wants its look-back longer than its (deprecated) ``metrics_interval_s``, 10 s by default.
+_MIN_LOOK_BACK_S = 15.0
+
+
+def look_back_s(t: AutoscalingThresholds) -> float:
+    """How much of each replica's samples Serve keeps: what the policies' windows read."""
+    return max(t.spike_window_s, t.trend_window_s, _MIN_LOOK_BACK_S)
+
+
+def replica_env(t: AutoscalingThresholds) -> dict[str, str]:
+    """Environment of an autoscaled pool's replicas: Serve reads how often a replica samples its load and pushes
+    the samples from the replica's environment only (by default it samples every look-back / 5 and pushes every
+    10 s, which leaves a decision up to 10 s behind the load)."""
+    return {
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(t.metrics_push_interval_s),
+        "RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR": str(t.metrics_push_interval_s / look_back_s(t)),
+    }
+
+
 def serve_autoscaling_config(pool: str, t: AutoscalingThresholds) -> dict[str, Any]:
     """The ``autoscaling_config`` dict of a pool's deployment for these thresholds."""
     policy = PrefillAutoscalingPolicy if pool == "prefill" else DecodeAutoscalingPolicy
@@ -185,7 +204,6 @@ def serve_autoscaling_config(pool: str, t: AutoscalingThresholds) -> dict[str, A
         "max_replicas": t.max_replicas,
         "upscale_delay_s": t.upscale_delay_s,
         "downscale_delay_s": t.downscale_delay_s,
-        # Serve keeps (and averages) this much of each replica's reports; the policies read the raw samples.
-        "look_back_period_s": max(t.spike_window_s, t.trend_window_s),
+        "look_back_period_s": look_back_s(t),
         "policy": {"policy_function": policy, "policy_kwargs": t.model_dump()},
     }

@@ -44,8 +44,8 @@ class AutoscalingThresholds(_Frozen):
     replica_startup_s: float = Field(20.0, ge=0)
     #: prefill: the window the queue's trend is fitted over.
     trend_window_s: float = Field(10.0, gt=0)
-    #: How often each replica pushes its samples to Serve's controller (Serve's default, 10 s, leaves every
-    #: decision up to 10 s behind the load); set in the replica's environment.
+    #: How often each replica samples its load and pushes the samples to Serve's controller (Serve's default
+    #: push, every 10 s, leaves a decision up to 10 s behind the load); set in the replica's environment.
     metrics_push_interval_s: float = Field(1.0, gt=0)
 
 
@@ -100,6 +100,9 @@ class AdmissionConfig(_Frozen):
     #: Retry-After bounds (seconds).
     min_retry_after_s: int = Field(1, ge=1)
     max_retry_after_s: int = Field(60, ge=1)
+    #: Retry-After is drawn from [wait, wait x (1 + this)] (the class's predicted wait), so that clients refused
+    #: together do not retry together.
+    retry_after_jitter: float = Field(0.5, ge=0, le=4)
     #: Throughput assumed before any request finished (tokens/s per class).
     initial_tokens_per_s: float = Field(200.0, gt=0)
 

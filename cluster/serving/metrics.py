@@ -172,6 +172,12 @@ class RouterMetrics:
             "shapeserve_rejected_requests", "429s by the class whose budget was full", ["route_class"], registry=r
         )
         self.errors = Counter("shapeserve_request_errors", "Requests answered with an error", ["status"], registry=r)
+        # Every series a dashboard charts exists from the first scrape, at 0 (a labelled counter is exported only
+        # once a label value is used, so a panel of 429s would read "no data" until the first one).
+        for route_class in ("local", "remote"):
+            self.rejected.labels(route_class)
+        for status in ("429", "500", "503", "504"):
+            self.errors.labels(status)
         self.prompt_tokens = Counter("shapeserve_prompt_tokens", "Prompt tokens of served requests", route, registry=r)
         self.generation_tokens = Counter("shapeserve_generation_tokens", "Generated tokens", route, registry=r)
         if stats_source is not None:

@@ -218,3 +218,37 @@ def test_bench_counts_match_the_server_metrics(server, tmp_path):
     }
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
     assert (tmp_path / "plots" / "throughput_over_time.png").stat().st_size > 0
+
+
+def test_every_series_the_grafana_dashboard_charts_is_in_the_scrape(server):
+    # After the traffic of the tests above (LOCAL and REMOTE requests, so transfer counters exist too).
+    from tests.unit.test_grafana_dashboard import dashboard_metrics
+
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    scraped = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    charted = dashboard_metrics()
+    assert charted and charted <= scraped, sorted(charted - scraped)
+
+
+def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):
+    # Hostile bodies on both endpoints (bench/fuzz_http.py runs more): every answer is an allowed status with an
+    # OpenAI error body, streams end with [DONE], and afterwards the server is healthy and a fixed greedy probe
+    # gives the same tokens as before.
+    from hypothesis import HealthCheck, given, settings
+
+    from bench.fuzz_http import check_exchange, probe, request_bodies
+
+    statuses: dict[int, int] = {}
+    with httpx.Client() as client:
+        before = probe(client, server.url, "demo")
+
+        @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(request_bodies("demo", 512))
+        def fuzz(exchange):
+            status = check_exchange(client, server.url, *exchange)
+            statuses[status] = statuses.get(status, 0) + 1
+
+        fuzz()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert probe(client, server.url, "demo") == before
+    assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 50, statuses  # both kinds were exercised

@@ -2,6 +2,7 @@
 
 import logging
 import math
+import warnings
 
 from ray.serve._private.common import TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
@@ -14,6 +15,7 @@ from cluster.serving.autoscaling import (
     peak,
     prefill_desired_replicas,
     queue_trend,
+    replica_env,
     serve_autoscaling_config,
 )
 from cluster.serving.config import AutoscalingThresholds
@@ -171,5 +173,11 @@ def test_policy_classes_read_means_when_no_raw_series():
 def test_serve_config_of_a_pool():
     cfg = serve_autoscaling_config("decode", T)
     assert cfg["policy"]["policy_function"] is DecodeAutoscalingPolicy and cfg["max_replicas"] == 4
-    assert cfg["look_back_period_s"] == 10  # Serve keeps the samples the policies read
-    AutoscalingConfig(**cfg)
+    assert cfg["look_back_period_s"] == 15  # Serve keeps the samples the policies read, longer than its interval
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # Serve warns it will refuse a look-back <= its interval
+        AutoscalingConfig(**cfg)
+    assert replica_env(T) == {
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1.0",
+        "RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR": str(1 / 15),  # a sample every push interval
+    }

@@ -66,7 +66,12 @@ def test_pool_options_follow_the_placement():
         "num_gpus": 1,
         "resources": {"decode": 1},
         # an autoscaled pool's replicas push their load every second, not Serve's 10 s
-        "runtime_env": {"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1.0"}},
+        "runtime_env": {
+            "env_vars": {
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1.0",
+                "RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR": str(1 / 15),
+            }
+        },
     }
     assert opts["request_router_config"].request_router_kwargs == {"block_size": 16}
     assert "autoscaling_config" in opts and "num_replicas" not in opts

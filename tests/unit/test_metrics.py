@@ -103,3 +103,14 @@ def test_vllm_names_carry_the_same_values_with_model_name():
     assert total("vllm:num_requests_running") == 3  # decode engines only
     assert total("vllm:kv_cache_usage_perc") == 0.25
     assert total("vllm:num_preemptions", "_total") == 4
+
+
+def test_error_and_rejection_series_exist_before_the_first_one():
+    # A dashboard panel of 429s or 5xx shows 0, not "no data", on a server that has had none.
+    text = RouterMetrics(SLOConfig()).render().decode()
+    for line in (
+        'shapeserve_rejected_requests_total{route_class="local"} 0.0',
+        'shapeserve_rejected_requests_total{route_class="remote"} 0.0',
+        'shapeserve_request_errors_total{status="503"} 0.0',
+    ):
+        assert line in text

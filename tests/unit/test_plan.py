@@ -1,5 +1,8 @@
 """The edge's request plan: parameters, geometry and route from a validated body, as a pure function."""
 
+import math
+import random
+
 import pytest
 
 from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -47,8 +50,22 @@ def test_full_class_is_a_reject_with_retry_after():
     busy = LoadSnapshot(remote=ClassLoad(inflight_requests=2, inflight_tokens=300, tokens_per_s=100.0))
     p = plan([5] * 100, load=busy)
     assert p.route is Route.REJECT
-    e = rejection(p, CONFIG)
+    e = rejection(p, CONFIG.with_overrides(admission={**CONFIG.admission.model_dump(), "retry_after_jitter": 0}))
     assert e.status == 429 and e.headers["Retry-After"] == "2" and e.err_type == "rate_limit_error"
+
+
+def test_retry_after_is_spread_so_refused_clients_do_not_return_together():
+    busy = LoadSnapshot(remote=ClassLoad(inflight_requests=2, inflight_tokens=1300, tokens_per_s=100.0))
+    p = plan([5] * 100, load=busy)
+    wait = p.decision.retry_after_s
+    assert wait == 7  # one of the 2 admitted requests (650 tokens on average) has to finish, at 100 tokens/s
+    rng = random.Random(7)
+    retries = [int(rejection(p, CONFIG, rng).headers["Retry-After"]) for _ in range(200)]
+    # The default jitter: up to half the wait more, in whole seconds (Retry-After's unit).
+    assert min(retries) >= wait and max(retries) <= math.ceil(wait * 1.5)
+    assert len(set(retries)) >= 4  # spread over the window, not one second
+    capped = CONFIG.with_overrides(admission={**CONFIG.admission.model_dump(), "max_retry_after_s": 8})
+    assert {int(rejection(p, capped, rng).headers["Retry-After"]) for _ in range(50)} == {8}  # the cap holds
 
 
 @pytest.mark.parametrize(
