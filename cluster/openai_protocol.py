@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.config import SamplingParams
 from cluster.errors import InvalidRequestError
@@ -153,6 +153,45 @@ class ChatCompletionRequest(_CommonRequest):
             return [{"role": m.role, "content": m.text()} for m in self.messages]
         except ValueError as e:
             raise InvalidRequestError(str(e), "messages") from None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (text) or chat ``messages`` (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if v is not None and not v:
+            raise ValueError("give at least one message")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) and 'messages' (a chat)")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        try:
+            return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "messages") from None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
 
 
 # ---- errors ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ without the engine's code.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import random
 import time
@@ -36,6 +37,8 @@ from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     completion_choice,
     error_body,
     new_id,
@@ -49,6 +52,7 @@ from cluster.serving.messages import GenerateTask, ReplicaStats, Route, Started
 from cluster.serving.metrics import RequestTiming, RouterMetrics
 from cluster.tokenizer import load_tokenizer
 from router.admission import AdmissionController, PrefixEstimator, Ticket
+from router.api_key import APIKeyMiddleware
 from router.plan import ModelLimits, RequestPlan, plan_request, rejection, user_error
 from router.streaming import DONE, ChunkEncoder, sse_event
 
@@ -56,6 +60,11 @@ if TYPE_CHECKING:
     from cluster.engine.llm_engine import RequestOutput
 
 log = logging.getLogger("ray.serve")
+
+try:
+    _VERSION = importlib.metadata.version("shapeserve")
+except importlib.metadata.PackageNotFoundError:  # running from a checkout that was not installed
+    _VERSION = "0+unknown"
 
 #: Prompts longer than this (characters) are tokenized on a worker thread, not on the event loop:
 #: a long tokenization must not stall every other request's streaming.
@@ -117,9 +126,16 @@ class OpenAIServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/version", self.version, methods=["GET"])
+        app.add_api_route("/ping", self.health, methods=["GET", "POST"])  # vLLM's (and SageMaker's) probe
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_page, methods=["GET"])
         app.add_api_route("/admin/pools", self.admin_pools, methods=["GET"])
+        if self.config.api_key:
+            app.add_middleware(APIKeyMiddleware, api_key=self.config.api_key)
         return app
 
     # ---- pool state ---------------------------------------------------------------------------
@@ -167,33 +183,93 @@ class OpenAIServer:
         stats = await self._refresh_pools()
         return JSONResponse({"replicas": [s.as_dict() for s in stats]})
 
-    async def models(self) -> Response:
-        card = {
-            "id": self.config.model_name,
+    def _card(self, name: str) -> dict[str, Any]:
+        """A model card as vLLM writes it (its benchmark client reads ``root``)."""
+        return {
+            "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "shapeserve",
             "root": self.model_dir,
+            "parent": None,
             "max_model_len": self.limits.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": 0,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card(n) for n in self.config.served_model_names]})
+
+    async def model_card(self, model_id: str) -> Response:
+        return JSONResponse(self._card(self._check_model(model_id)))
+
+    async def version(self) -> Response:
+        return JSONResponse({"version": _VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        req: TokenizeRequest = parse_body(await self._read_body(request), TokenizeRequest)
+        if req.model is not None:
+            self._check_model(req.model)
+        if req.messages is not None:
+            conversation = _user_errors(req.conversation)
+            size = sum(len(m["content"]) for m in conversation)
+            encode = lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt)  # noqa: E731
+            tokens = await self._encode(encode, size, "messages")
+        else:
+            text = req.prompt or ""
+            encode = lambda: self._tokenize_text(text, req.add_special_tokens)  # noqa: E731
+            tokens = await self._encode(encode, len(text), "prompt")
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": self.limits.max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(body)
+
+    def _tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens:
+            return encode_prompt(self.tokenizer, text)
+        encode_prompt(self.tokenizer, "")  # the same Unicode checks as a prompt (lone surrogates: 400)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    async def detokenize(self, request: Request) -> Response:
+        req: DetokenizeRequest = parse_body(await self._read_body(request), DetokenizeRequest)
+        if req.model is not None:
+            self._check_model(req.model)
+        vocab = self.limits.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_body(await self._read_body(request), CompletionRequest)
-        self._check_model(req.model)
+        name = self._check_model(req.model)
         size = len(req.prompt) if isinstance(req.prompt, str) else 0
         prompt = await self._encode(lambda: encode_prompt(self.tokenizer, req.prompt), size, "prompt")
-        return await self._serve("completion", req, prompt)
+        return await self._serve("completion", req, prompt, name)
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse_body(await self._read_body(request), ChatCompletionRequest)
-        self._check_model(req.model)
+        name = self._check_model(req.model)
         conversation = _user_errors(req.conversation)
         size = sum(len(m["content"]) for m in conversation)
         prompt = await self._encode(
             lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt), size, "messages"
         )
-        return await self._serve("chat", req, prompt)
+        return await self._serve("chat", req, prompt, name)
 
     # ---- one request --------------------------------------------------------------------------
 
@@ -218,15 +294,20 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, model: str) -> None:
-        if model not in (self.config.model_name, self.model_dir):
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
+    def _check_model(self, model: str) -> str:
+        """The served name a request for ``model`` is answered under (404 for a model this server does not serve)."""
+        names = self.config.served_model_names
+        if model in names:
+            return model
+        if model == self.model_dir:
+            return names[0]
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
 
     async def _encode(self, fn: Callable[[], list[int]], num_chars: int, param: str) -> list[int]:
         """Tokenizes (or renders the chat template): text that cannot fit the context is refused first, and
@@ -236,7 +317,7 @@ class OpenAIServer:
             return _user_errors(fn)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, _user_errors, fn)
 
-    async def _serve(self, kind: str, req, prompt: list[int]) -> Response:
+    async def _serve(self, kind: str, req, prompt: list[int], model_name: str) -> Response:
         arrival = time.monotonic()
         self._maybe_refresh()
         load = self.admission.snapshot(self._prefill_up())
@@ -246,7 +327,7 @@ class OpenAIServer:
             self.metrics.errors.labels("429").inc()
             raise rejection(plan, self.config, self._retry_rng)
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
-        run = RequestRun(self, kind, req, rid, plan, arrival)
+        run = RequestRun(self, kind, req, rid, plan, arrival, model_name)
         started = await run.start()
         headers = {"x-shapeserve-route": started.route.value}
         if req.stream:
@@ -280,8 +361,11 @@ class RequestRun:
     """One admitted request: its admission ticket, its backend stream and its client-side timing.
     ``start()`` then ``sse()`` or ``collect()``; the ticket, the stream and the metrics end exactly once."""
 
-    def __init__(self, server: OpenAIServer, kind: str, req, rid: str, plan: RequestPlan, arrival: float):
+    def __init__(
+        self, server: OpenAIServer, kind: str, req, rid: str, plan: RequestPlan, arrival: float, model_name: str
+    ):
         self.s = server
+        self.model_name = model_name
         self.kind = kind
         self.req = req
         self.rid = rid
@@ -372,8 +456,7 @@ class RequestRun:
                     ids.extend(out.new_token_ids)
                     lps.extend(out.new_logprobs)
                 finish = batch[-1].finish_reason
-        model = self.s.config.model_name
-        body = response_envelope(self.kind, self.rid, model, stream=False)  # type: ignore[arg-type]
+        body = response_envelope(self.kind, self.rid, self.model_name, stream=False)  # type: ignore[arg-type]
         body["choices"] = [
             completion_choice(
                 self.kind,  # type: ignore[arg-type]
@@ -391,7 +474,7 @@ class RequestRun:
         encoder = ChunkEncoder(
             self.kind,  # type: ignore[arg-type]
             self.rid,
-            self.s.config.model_name,
+            self.model_name,
             int(time.time()),
             logprobs=self.req._want_logprobs(),
             token_ids=self.req.return_token_ids,

@@ -135,8 +135,13 @@ class SLOConfig(_Frozen):
 class ServeConfig(_Frozen):
     #: Local Hugging Face model directory; None: the built-in demo model (built into a cache dir).
     model: str | None = None
-    #: Name clients pass as ``model``; defaults to the directory name.
-    served_model_name: str | None = None
+    #: Name(s) clients pass as ``model`` (the first is the one responses and metrics carry); defaults to the
+    #: model directory's name.
+    served_model_name: str | list[str] | None = None
+    #: Clients must send ``Authorization: Bearer <api_key>`` on /v1/*, /tokenize, /detokenize and /admin/* (401
+    #: otherwise); /health, /ping, /version and /metrics stay open. None: no key. Prefer the SHAPESERVE_API_KEY
+    #: environment variable of ``shapeserve serve`` to writing it in a file.
+    api_key: str | None = Field(None, repr=False, min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["cpu", "cuda", "auto"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -184,6 +189,11 @@ class ServeConfig(_Frozen):
                     f"{name}.autoscaling.kv_usage_scale_down: {a.kv_usage_scale_down} must be below "
                     f"kv_usage_scale_up {a.kv_usage_scale_up}"
                 )
+        names = self.served_model_name
+        if isinstance(names, list) and (not names or any(not n for n in names)):
+            raise ValueError("served_model_name: give one or more non-empty names")
+        if names == "":
+            raise ValueError("served_model_name: give a non-empty name")
         if self.admission.min_retry_after_s > self.admission.max_retry_after_s:
             raise ValueError("admission.min_retry_after_s: must not exceed admission.max_retry_after_s")
         return self
@@ -191,10 +201,18 @@ class ServeConfig(_Frozen):
     # ---- derived ---------------------------------------------------------------------
 
     @property
-    def model_name(self) -> str:
+    def served_model_names(self) -> list[str]:
+        """Every name the model is served under, the primary one first."""
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
         if self.served_model_name:
-            return self.served_model_name
-        return Path(self.model).name if self.model else "demo"
+            return list(self.served_model_name)
+        return [Path(self.model).name if self.model else "demo"]
+
+    @property
+    def model_name(self) -> str:
+        """The primary served name (responses, metrics' ``model_name``)."""
+        return self.served_model_names[0]
 
     def resolved_device(self) -> str:
         if self.device != "auto":

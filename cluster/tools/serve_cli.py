@@ -31,6 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="ServeConfig YAML (pools, classifier, admission, timeouts)")
     parser.add_argument("--address", default=None, help="deploy on a running Ray cluster instead of starting one")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for both pools")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients pass as 'model' (the first one is used in responses); default: the directory's name",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SHAPESERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $SHAPESERVE_API_KEY; "
+        "the variable keeps the key out of the process list)",
+    )
 
 
 def _wait_ready(url: str, timeout_s: float) -> bool:
@@ -78,21 +91,32 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace):
+    """(ServeConfig, model directory) from the flags over the config file; raises ShapeserveError on a bad value or
+    model directory (before Ray starts). Builds the demo model when no model is given."""
+    from cluster.config import ModelConfig
     from cluster.serving.config import load_serve_config
 
+    config = load_serve_config(args.config).with_overrides(
+        model=args.model,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+    )
+    model_dir = config.model
+    if model_dir is None:
+        from cluster.tools.demo_model import ensure_demo_model
+
+        model_dir = str(ensure_demo_model())
+    ModelConfig.from_pretrained(model_dir)  # fail fast, before Ray starts, on a bad directory
+    return config, model_dir
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        config = load_serve_config(args.config).with_overrides(
-            model=args.model, dtype=args.dtype, host=args.host, port=args.port
-        )
-        model_dir = config.model
-        if model_dir is None:
-            from cluster.tools.demo_model import ensure_demo_model
-
-            model_dir = str(ensure_demo_model())
-        from cluster.config import ModelConfig
-
-        ModelConfig.from_pretrained(model_dir)  # fail fast, before Ray starts, on a bad directory
+        config, model_dir = config_from_args(args)
     except ShapeserveError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
@@ -143,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: the pools did not become healthy within {args.ready_timeout:.0f} s", file=sys.stderr)
             return 1
         how = "the decode replica serves it directly" if direct else "through Serve's proxy"
-        print(f"shapeserve is serving {config.model_name!r} at {url}/v1 ({how}; Ctrl-C to stop)", flush=True)
+        names = ", ".join(map(repr, config.served_model_names))
+        key = "; an API key is required" if config.api_key else ""
+        print(f"shapeserve is serving {names} at {url}/v1 ({how}{key}; Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):
             pass
         print("shutting down", flush=True)

@@ -1,0 +1,140 @@
+"""The helper endpoints, served names and API key of the HTTP edge, through the official ``openai`` SDK and plain
+HTTP, in process: the edge's ASGI app in front of a stand-in decode worker (the engine is tested elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+
+import httpx
+import openai
+import pytest
+
+from cluster.engine.llm_engine import RequestOutput
+from cluster.prompting import encode_chat
+from cluster.serving.config import parse_serve_config
+from cluster.serving.messages import GenerateTask, Route, Started
+from cluster.tokenizer import load_tokenizer
+from router.server import OpenAIServer
+
+KEY = "sk-test-123"
+
+
+class EchoWorker:
+    """Answers every request with two tokens, ids 5 and 6."""
+
+    replica_id = "fake"
+
+    async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
+        yield Started(Route.LOCAL, self.replica_id)
+        n = len(task.prompt_token_ids)
+        yield (RequestOutput(task.request_id, (5,), "a", (), False, None, n, 1, 0),)
+        yield (RequestOutput(task.request_id, (6,), "b", (), True, "length", n, 2, 0),)
+
+    def check_health(self) -> None:
+        pass
+
+
+def edge(demo_model, **config) -> httpx.AsyncClient:
+    cfg = parse_serve_config({"device": "cpu", **config})
+    server = OpenAIServer(cfg, str(demo_model), EchoWorker(), board=None, disaggregated=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://edge")
+
+
+def sdk(client: httpx.AsyncClient, api_key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://edge/v1", api_key=api_key, http_client=client, max_retries=0)
+
+
+def test_several_served_names_models_and_model_cards(demo_model):
+    asyncio.run(_several_served_names_models_and_model_cards(demo_model))
+
+
+async def _several_served_names_models_and_model_cards(demo_model):
+    async with edge(demo_model, served_model_name=["llama-small", "default"]) as client:
+        api = sdk(client)
+        models = await api.models.list()
+        assert [m.id for m in models.data] == ["llama-small", "default"]
+        card = (await client.get("/v1/models")).json()["data"][0]
+        assert card["root"] == str(demo_model) and card["permission"][0]["object"] == "model_permission"
+        assert (await api.models.retrieve("default")).id == "default"
+        with pytest.raises(openai.NotFoundError):
+            await api.models.retrieve("gpt-4")
+        # Answered under the name the client used; any served name works, as does the directory.
+        out = await api.completions.create(model="default", prompt="hi", max_tokens=2)
+        assert out.model == "default" and out.choices[0].text == "ab"
+        out = await api.completions.create(model=str(demo_model), prompt="hi", max_tokens=2)
+        assert out.model == "llama-small"
+        with pytest.raises(openai.NotFoundError, match="this server serves 'llama-small', 'default'"):
+            await api.completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_api_key_guards_the_api_but_not_the_probes(demo_model):
+    asyncio.run(_api_key_guards_the_api_but_not_the_probes(demo_model))
+
+
+async def _api_key_guards_the_api_but_not_the_probes(demo_model):
+    async with edge(demo_model, served_model_name="m", api_key=KEY) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await sdk(client, "sk-wrong").completions.create(model="m", prompt="hi", max_tokens=2)
+        out = await sdk(client, KEY).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert out.choices[0].message.content == "ab"
+        r = await client.post("/tokenize", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        for probe in ("/health", "/ping", "/version", "/metrics"):
+            assert (await client.get(probe)).status_code == 200, probe
+
+
+def test_tokenize_and_detokenize(demo_model):
+    asyncio.run(_tokenize_and_detokenize(demo_model))
+
+
+async def _tokenize_and_detokenize(demo_model):
+    tok = load_tokenizer(str(demo_model))
+    async with edge(demo_model, served_model_name="m") as client:
+        r = await client.post("/tokenize", json={"model": "m", "prompt": "Hello world", "return_token_strs": True})
+        body = r.json()
+        assert body["tokens"] == tok("Hello world").input_ids and body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == 1024 and body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+        plain = (await client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False})).json()
+        assert plain["tokens"] == tok("Hello world", add_special_tokens=False).input_ids
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        chat = (await client.post("/tokenize", json={"messages": messages})).json()
+        assert chat["tokens"] == encode_chat(tok, messages, True)  # what /v1/chat/completions feeds the engine
+        back = (await client.post("/detokenize", json={"tokens": body["tokens"]})).json()
+        assert back == {"prompt": tok.decode(body["tokens"])}
+        for bad, param in (
+            ({"prompt": "a", "messages": messages}, None),
+            ({}, None),
+            ({"prompt": "\ud800"}, "prompt"),
+            ({"model": "other", "prompt": "a"}, "model"),
+        ):
+            # json.dumps writes a lone surrogate as its \\u escape, as a client library would (httpx refuses to)
+            r = await client.post("/tokenize", content=json.dumps(bad), headers={"content-type": "application/json"})
+            assert r.status_code in (400, 404) and "error" in r.json(), bad
+            if param:
+                assert r.json()["error"]["param"] == param
+        r = await client.post("/detokenize", json={"tokens": [1, 99999]})
+        assert (
+            r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "99999" in r.json()["error"]["message"]
+        )
+        assert (await client.get("/version")).json()["version"]
+        assert (await client.post("/ping")).status_code == 200
+
+
+def test_serve_flags_for_names_and_key(demo_model, monkeypatch):
+    from cluster.tools.cli import build_parser
+    from cluster.tools.serve_cli import config_from_args
+
+    parse = build_parser().parse_args
+    monkeypatch.delenv("SHAPESERVE_API_KEY", raising=False)
+    args = parse(["serve", "--model", str(demo_model), "--served-model-name", "a", "b", "--api-key", KEY])
+    config, _ = config_from_args(args)
+    assert config.served_model_names == ["a", "b"] and config.model_name == "a" and config.api_key == KEY
+    assert KEY not in repr(config)  # never in a log line that prints the config
+    monkeypatch.setenv("SHAPESERVE_API_KEY", "from-env")
+    config, _ = config_from_args(build_parser().parse_args(["serve", "--model", str(demo_model)]))
+    assert config.api_key == "from-env" and config.served_model_names == [demo_model.name]
