@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config import SamplingParams
 from cluster.errors import InvalidRequestError
@@ -21,6 +21,38 @@ from cluster.errors import InvalidRequestError
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+
+
+#: Field -> the values that ask for nothing (and so are accepted) of the fields refused by ``_CommonRequest``.
+_NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "best_of": (1,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "functions": ([],),  # the pre-tools function calling
+    "function_call": ("none",),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "modalities": (["text"],),
+    "audio": (),
+}
 
 
 class _CommonRequest(BaseModel):
@@ -44,6 +76,46 @@ class _CommonRequest(BaseModel):
     return_token_ids: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # Fields of the OpenAI API and vLLM's extensions that change the output and are not implemented yet: a request
+    # that sets one to anything but its neutral value is refused with a 400 naming it, never silently ignored.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    best_of: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    functions: Any = None
+    function_call: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    modalities: Any = None
+    audio: Any = None
+
+    @field_validator(*_NOT_YET_NEUTRAL)
+    @classmethod
+    def _refuse_what_would_be_ignored(cls, v: Any, info: ValidationInfo) -> Any:
+        name = str(info.field_name)
+        if v is not None and v not in _NOT_YET_NEUTRAL[name]:
+            raise ValueError(
+                f"{name} is not supported by this server yet; remove it (ignoring it would change the "
+                "output you asked for)"
+            )
+        return v
 
     @field_validator("n")
     @classmethod
@@ -100,6 +172,13 @@ class CompletionRequest(_CommonRequest):
             raise ValueError("echo is not supported")
         return v
 
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported by this server yet; remove it")
+        return v
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _single_prompt(cls, v: Any) -> Any:
@@ -123,6 +202,15 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: ChatRole
     content: str | list[dict[str, Any]] | None = None
+    #: Tool-call history would be dropped from the rendered prompt: refused until tools are supported.
+    tool_calls: Any = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("tool calls in messages are not supported by this server yet")
+        return v
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -141,6 +229,13 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("top_logprobs is not supported by this server yet; use logprobs alone or remove it")
+        return v
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -138,3 +138,65 @@ def test_serve_flags_for_names_and_key(demo_model, monkeypatch):
     monkeypatch.setenv("SHAPESERVE_API_KEY", "from-env")
     config, _ = config_from_args(build_parser().parse_args(["serve", "--model", str(demo_model)]))
     assert config.api_key == "from-env" and config.served_model_names == [demo_model.name]
+
+
+REFUSED_COMPLETION = {
+    "logit_bias": {"5": -100},
+    "min_tokens": 3,
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "best_of": 2,
+    "suffix": "end",
+    "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "n": 2,
+    "echo": True,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+}
+REFUSED_CHAT = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "required",
+    "top_logprobs": 2,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+}
+
+
+def test_fields_that_would_change_the_output_are_refused_by_name(demo_model):
+    asyncio.run(_fields_refused(demo_model))
+
+
+async def _fields_refused(demo_model):
+    async with edge(demo_model, served_model_name="m") as client:
+        api = sdk(client)
+        for field, value in REFUSED_COMPLETION.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                await api.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={field: value})
+            assert e.value.body["param"] == field, field
+        for field, value in REFUSED_CHAT.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                await api.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=2,
+                    logprobs=True,
+                    extra_body={field: value},
+                )
+            assert e.value.body["param"] == field, field
+        history = [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
+            },
+        ]
+        with pytest.raises(openai.BadRequestError, match="tool calls in messages"):
+            await api.chat.completions.create(model="m", messages=history, max_tokens=2)
+        # Their neutral values ask for nothing and are accepted, as are fields no server acts on.
+        neutral = {"logit_bias": {}, "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "best_of": 1}
+        neutral |= {"response_format": {"type": "text"}, "tools": [], "user": "u1", "some_future_field": 1}
+        out = await api.completions.create(model="m", prompt="hi", max_tokens=2, extra_body=neutral)
+        assert out.choices[0].text == "ab"
