@@ -146,6 +146,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     #: Torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
+    #: Context length served (prompt + output); None: the model's ``max_position_embeddings``.
+    max_model_len: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -184,6 +186,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1", "max_num_batched_tokens")
         if self.scheduler.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1", "max_num_seqs")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}", "max_model_len")
         return self
 
     def with_overrides(self, **kwargs: Any) -> EngineConfig:
@@ -238,3 +242,17 @@ class SamplingParams:
         if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be token ids (non-negative integers)", "stop_token_ids")
         return self
+
+
+def served_context_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The context the engine and the edge enforce: ``max_model_len`` when given (it may only shorten the
+    model's), else the model's ``max_position_embeddings``. Raises ConfigError past the model's."""
+    if max_model_len is None:
+        return model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {max_model_len} is longer than this model's context of {model.max_position_embeddings} "
+            "tokens (max_position_embeddings); give at most that",
+            "max_model_len",
+        )
+    return max_model_len

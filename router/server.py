@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.config import ModelConfig
+from cluster.config import ModelConfig, served_context_length
 from cluster.errors import ShapeserveError
 from cluster.openai_protocol import (
     APIError,
@@ -101,8 +101,10 @@ class OpenAIServer:
         self.board = board
         self.disaggregated = disaggregated
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        if config.chat_template is not None:  # --chat-template: replaces the tokenizer's own for every chat request
+            self.tokenizer.chat_template = config.chat_template
         model = ModelConfig.from_pretrained(model_dir)
-        self.limits = ModelLimits(model.vocab_size, model.max_position_embeddings)
+        self.limits = ModelLimits(model.vocab_size, served_context_length(model, config.max_model_len))
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.admission = AdmissionController(config.admission)
         self.prefix = PrefixEstimator()

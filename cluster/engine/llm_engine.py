@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig, ModelConfig, SamplingParams
+from cluster.config import EngineConfig, ModelConfig, SamplingParams, served_context_length
 from cluster.dtypes import torch_dtype
 from cluster.engine.attention import get_attention_backend
 from cluster.engine.block_pool import BlockPool
@@ -66,7 +66,7 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             keep_freed_memory_for_reuse()  # process-wide: see host_memory for why
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.max_model_len = self.model_config.max_position_embeddings
+        self.max_model_len = served_context_length(self.model_config, config.max_model_len)
         dtype = torch_dtype(config.dtype)
         self.model = load_model(self.model_config, dtype, config.device)
         # Each CPU fast path is tried once here and degrades to the portable one where it fails.

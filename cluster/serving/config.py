@@ -143,6 +143,10 @@ class ServeConfig(_Frozen):
     #: environment variable of ``shapeserve serve`` to writing it in a file.
     api_key: str | None = Field(None, repr=False, min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: Context length served (prompt + output), at most the model's; None: the model's.
+    max_model_len: int | None = Field(None, ge=1)
+    #: A Jinja chat template (the text) used instead of the tokenizer's own; ``--chat-template FILE`` reads it.
+    chat_template: str | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     block_size: int = Field(16, ge=1)
@@ -233,6 +237,7 @@ class ServeConfig(_Frozen):
             device=self.resolved_device(),
             attention_backend=self.attention_backend,
             num_threads=p.num_threads or num_threads,
+            max_model_len=self.max_model_len,
             block_size=self.block_size,
             num_blocks=p.num_blocks,
             kv_cache_memory_gb=p.kv_cache_memory_gb,

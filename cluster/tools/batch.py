@@ -10,6 +10,8 @@ or validated gets an error record; the other lines still run.
 from __future__ import annotations
 
 import json
+import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
@@ -83,8 +85,14 @@ def _parse_line(
         line.error = _error(400, "invalid_body", "body must be a JSON object")
         return line, [], None
     line.kind, model_cls = _ENDPOINTS[url]
+    model = body.get("model", model_name)
+    if model not in (model_name, str(engine.config.model)):
+        line.error = _error(
+            404, "model_not_found", f"the model {model!r} does not exist; this run serves {model_name!r}"
+        )
+        return line, [], None
     try:
-        req = parse_body(json.dumps({"model": model_name, **body}).encode(), model_cls)
+        req = parse_body(json.dumps({**body, "model": model_name}).encode(), model_cls)
         if isinstance(req, ChatCompletionRequest):
             prompt_ids = encode_chat(engine.tokenizer, req.conversation(), req.add_generation_prompt)
         else:
@@ -148,8 +156,13 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
     }
 
 
-def run_batch(engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: str) -> tuple[int, int]:
-    """Runs every line of ``infile``; writes records to ``outfile`` in input order. Returns (ok, failed)."""
+def run_batch(
+    engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: str, progress: bool = False
+) -> tuple[int, int]:
+    """Runs every line of ``infile``; writes records to ``outfile`` in input order. Returns (ok, failed).
+    ``progress``: a progress bar on stderr (requests done, output tokens/s, ETA)."""
+    from tqdm.auto import tqdm
+
     lines: list[_Line] = []
     for index, raw in enumerate(infile):
         if not raw.strip():
@@ -159,17 +172,25 @@ def run_batch(engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: st
         if params is not None:
             engine.add_request(str(index), prompt_ids, params)
     by_index = {str(line.index): line for line in lines}
+    bar = tqdm(total=len(lines), desc="run-batch", unit="req", disable=not progress, file=sys.stderr)
+    bar.update(sum(1 for line in lines if line.error is not None))  # refused lines are done
+    tokens, t0 = 0, time.monotonic()
     while engine.has_unfinished_requests():
         for out in engine.step():
             line = by_index[out.request_id]
             line.token_ids.extend(out.new_token_ids)
+            tokens += len(out.new_token_ids)
             line.text += out.new_text
             line.logprobs.extend(out.new_logprobs)
             line.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 line.finish_reason = out.finish_reason
+                bar.update(1)
                 if out.error is not None:
                     line.error = _error(500, "engine_error", f"the engine failed on this request: {out.error}")
+        if progress:
+            bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):.0f} output tok/s", refresh=False)
+    bar.close()
     for line in lines:
         outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
     failed = sum(1 for line in lines if line.error is not None)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from cluster.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, EngineConfig, SchedulerConfig
-from cluster.errors import ShapeserveError
+from cluster.errors import ConfigError, ShapeserveError
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--long-prefill-token-threshold", type=int, default=None, help="largest prompt chunk per step")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length served (default: the model's; at most it)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         num_threads=args.threads,
+        max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -63,14 +67,37 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """The text of a ``--chat-template`` file (None without one); ConfigError naming the flag when it cannot be
+    read or is not a Jinja template that renders a conversation."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path!r} cannot be read: {e}", "chat_template") from None
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        render_jinja_template([[{"role": "user", "content": "hi"}]], chat_template=text, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja raises many types for a broken template
+        raise ConfigError(
+            f"--chat-template {path!r} is not a chat template that renders: {e}", "chat_template"
+        ) from None
+    return text
+
+
 def _cmd_run_batch(args: argparse.Namespace) -> int:
     from cluster.engine.llm_engine import LLMEngine
     from cluster.tools.batch import run_batch
 
+    chat_template = read_chat_template(args.chat_template)
     engine = LLMEngine(engine_config_from_args(args))
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     model_name = args.served_model_name or Path(args.model).name
     with open(args.input, encoding="utf-8") as fin, open(args.output, "w", encoding="utf-8") as fout:
-        ok, failed = run_batch(engine, fin, fout, model_name)
+        ok, failed = run_batch(engine, fin, fout, model_name, progress=not args.no_progress)
     print(f"run-batch: {ok} succeeded, {failed} failed -> {args.output}", file=sys.stderr)
     return 0
 
@@ -112,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("-i", "--input", required=True, help="input .jsonl (OpenAI Batch format)")
     rb.add_argument("-o", "--output", required=True, help="output .jsonl")
     rb.add_argument("--model", required=True, help="local Hugging Face model directory")
-    rb.add_argument("--served-model-name", default=None)
+    rb.add_argument("--served-model-name", default=None, help="the name lines may give as 'model' (or the directory)")
+    rb.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    rb.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template instead of the model's")
     add_engine_arguments(rb)
     rb.set_defaults(func=_cmd_run_batch)
 

@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="name(s) clients pass as 'model' (the first one is used in responses); default: the directory's name",
     )
     parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length served (default: the model's; at most it)"
+    )
+    parser.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="Jinja chat template instead of the model's"
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SHAPESERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $SHAPESERVE_API_KEY; "
@@ -94,8 +100,9 @@ def direct_ingress_env(port: int) -> dict[str, str]:
 def config_from_args(args: argparse.Namespace):
     """(ServeConfig, model directory) from the flags over the config file; raises ShapeserveError on a bad value or
     model directory (before Ray starts). Builds the demo model when no model is given."""
-    from cluster.config import ModelConfig
+    from cluster.config import ModelConfig, served_context_length
     from cluster.serving.config import load_serve_config
+    from cluster.tools.cli import read_chat_template
 
     config = load_serve_config(args.config).with_overrides(
         model=args.model,
@@ -104,13 +111,16 @@ def config_from_args(args: argparse.Namespace):
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key or None,
+        max_model_len=args.max_model_len,
+        chat_template=read_chat_template(args.chat_template),
     )
     model_dir = config.model
     if model_dir is None:
         from cluster.tools.demo_model import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
-    ModelConfig.from_pretrained(model_dir)  # fail fast, before Ray starts, on a bad directory
+    # Fail fast, before Ray starts, on a bad directory or a context longer than the model's.
+    served_context_length(ModelConfig.from_pretrained(model_dir), config.max_model_len)
     return config, model_dir
 
 

@@ -7,6 +7,7 @@ import pytest
 from cluster.config import EngineConfig, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError
+from cluster.tokenizer import load_tokenizer
 from cluster.tools.cli import main as cli_main
 from tests.helpers import engine_config
 
@@ -77,7 +78,7 @@ def test_bad_engine_config(demo_model):
         engine_config(demo_model, block_size=12).validate()
 
 
-def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path):
+def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path, capsys):
     lines = [
         "{not json",
         json.dumps({"custom_id": "long", "url": "/v1/completions", "method": "POST", "body": {"prompt": [5] * 2000}}),
@@ -88,6 +89,14 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path):
         json.dumps(
             {"custom_id": "chat-missing", "url": "/v1/chat/completions", "method": "POST", "body": {"max_tokens": 3}}
         ),
+        # the same checks as the server: a model this run does not serve, a field it would otherwise ignore,
+        # max_tokens past the context (never clipped)
+        json.dumps({"custom_id": "other-model", "url": "/v1/completions", "body": {"model": "gpt-4", "prompt": "hi"}}),
+        json.dumps({"custom_id": "bias", "url": "/v1/completions", "body": {"prompt": "hi", "logit_bias": {"5": 9}}}),
+        json.dumps({"custom_id": "too-long", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 5000}}),
+        json.dumps(
+            {"custom_id": "by-dir", "url": "/v1/completions", "body": {"model": str(demo_model), "prompt": "hi"}}
+        ),
     ]
     infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     infile.write_text("\n".join(lines) + "\n")
@@ -96,10 +105,41 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path):
         == 0
     )
     recs = [json.loads(x) for x in outfile.read_text().splitlines()]
-    assert [r["custom_id"] for r in recs] == [None, "long", "ok", "nobody", "chat-missing"]
-    assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400]
+    ids = [None, "long", "ok", "nobody", "chat-missing", "other-model", "bias", "too-long", "by-dir"]
+    assert [r["custom_id"] for r in recs] == ids
+    assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400, 404, 400, 400, 200]
+    assert "'gpt-4' does not exist" in recs[5]["error"]["message"] and "logit_bias" in recs[6]["error"]["message"]
+    assert "max_tokens" in recs[7]["error"]["message"]
+    bar = capsys.readouterr().err  # the progress bar: every line done, with the output rate
+    assert "run-batch: 100%" in bar and "9/9" in bar and "output tok/s" in bar
     assert "not valid JSON" in recs[0]["error"]["message"]
     assert "context is 1024" in recs[1]["error"]["message"]
     assert "body must be a JSON object" in recs[3]["error"]["message"]
     assert "messages" in recs[4]["error"]["message"]
     assert recs[2]["error"] is None and recs[2]["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_run_batch_max_model_len_and_chat_template(demo_model, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    lines = [
+        json.dumps({"custom_id": "long", "url": "/v1/completions", "body": {"prompt": [5] * 60, "max_tokens": 8}}),
+        json.dumps({"custom_id": "fits", "url": "/v1/completions", "body": {"prompt": [5] * 50, "max_tokens": 8}}),
+        json.dumps(
+            {
+                "custom_id": "chat",
+                "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            }
+        ),
+    ]
+    infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    infile.write_text("\n".join(lines) + "\n")
+    argv = ["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model), "--no-progress"]
+    assert cli_main([*argv, "--max-model-len", "64", "--chat-template", str(template)]) == 0
+    recs = [json.loads(x) for x in outfile.read_text().splitlines()]
+    assert [r["response"]["status_code"] for r in recs] == [400, 200, 200]
+    assert "context is 64" in recs[0]["error"]["message"]
+    tok = load_tokenizer(str(demo_model))
+    want = len(tok("<user>hi", add_special_tokens=False).input_ids)  # rendered with the file's template
+    assert recs[2]["response"]["body"]["usage"]["prompt_tokens"] == want

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from cluster.engine.llm_engine import RequestOutput
+from cluster.errors import ConfigError
 from cluster.prompting import encode_chat
 from cluster.serving.config import parse_serve_config
 from cluster.serving.messages import GenerateTask, Route, Started
@@ -200,3 +201,39 @@ async def _fields_refused(demo_model):
         neutral |= {"response_format": {"type": "text"}, "tools": [], "user": "u1", "some_future_field": 1}
         out = await api.completions.create(model="m", prompt="hi", max_tokens=2, extra_body=neutral)
         assert out.choices[0].text == "ab"
+
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+
+
+def test_max_model_len_and_chat_template_flags(demo_model, tmp_path):
+    from cluster.tools.cli import build_parser
+    from cluster.tools.serve_cli import config_from_args
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    base = ["serve", "--model", str(demo_model)]
+    config, _ = config_from_args(
+        build_parser().parse_args([*base, "--max-model-len", "64", "--chat-template", str(template)])
+    )
+    assert config.max_model_len == 64 and config.chat_template == TEMPLATE
+    assert config.engine_config("decode", str(demo_model)).max_model_len == 64
+    with pytest.raises(ConfigError, match="longer than this model's context of 1024"):
+        config_from_args(build_parser().parse_args([*base, "--max-model-len", "4096"]))
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="not a chat template that renders"):
+        config_from_args(build_parser().parse_args([*base, "--chat-template", str(template)]))
+    asyncio.run(_edge_enforces(demo_model, config))
+
+
+async def _edge_enforces(demo_model, config):
+    server = OpenAIServer(config, str(demo_model), EchoWorker(), board=None, disaggregated=False)
+    transport = httpx.ASGITransport(app=server.asgi_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://edge") as client:
+        api = sdk(client)
+        assert (await api.models.list()).data[0].model_extra["max_model_len"] == 64
+        with pytest.raises(openai.BadRequestError, match="64"):  # 60 prompt tokens + 10 > 64
+            await api.completions.create(model=config.model_name, prompt=list(range(4, 64)), max_tokens=10)
+        messages = [{"role": "user", "content": "hi"}]
+        tokens = (await client.post("/tokenize", json={"messages": messages})).json()["tokens"]
+        assert tokens == server.tokenizer("[user]hi>", add_special_tokens=False).input_ids  # rendered with the flag's
