@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -370,6 +371,32 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+def token_strings(tokenizer, token_ids: Sequence[int]) -> list[str]:
+    """Each token's own text, as the logprobs bodies name it (a token that ends inside a multi-byte character
+    decodes to U+FFFD, as in vLLM)."""
+    return [tokenizer.decode([t]) for t in token_ids]
+
+
+def logprobs_body(
+    kind: Literal["completion", "chat"], tokens: Sequence[str], logprobs: Sequence[float], text_offset: int = 0
+) -> dict[str, Any]:
+    """The ``logprobs`` of a choice (or of one stream chunk) for the sampled tokens: completions' ``tokens``,
+    ``token_logprobs`` and ``text_offset`` (characters into the completion, from ``text_offset``), chat's ``token``,
+    ``logprob`` and UTF-8 ``bytes`` per token. Alternatives (``top_logprobs``) are not computed yet."""
+    if kind == "completion":
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t)
+        return {"tokens": list(tokens), "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs, strict=True)
+        ]
+    }
+
+
 def completion_choice(
     kind: Literal["completion", "chat"],
     text: str,
@@ -377,19 +404,18 @@ def completion_choice(
     token_ids: list[int] | None,
     logprobs: list[float] | None,
     stream: bool,
+    tokens: list[str] | None = None,
 ) -> dict[str, Any]:
+    """One choice; ``tokens``: the sampled tokens' texts (``token_strings``), needed with ``logprobs``."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    lp_body = logprobs_body(kind, tokens or [], logprobs) if logprobs is not None else None
     if kind == "completion":
         choice["text"] = text
-        choice["logprobs"] = {"token_logprobs": logprobs} if logprobs is not None else None
+        choice["logprobs"] = lp_body
     else:
         key = "delta" if stream else "message"
         choice[key] = {"role": "assistant", "content": text}
-        choice["logprobs"] = (
-            {"content": [{"token": "", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in logprobs]}
-            if logprobs is not None
-            else None
-        )
+        choice["logprobs"] = lp_body
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice

@@ -44,6 +44,7 @@ from cluster.openai_protocol import (
     new_id,
     parse_body,
     response_envelope,
+    token_strings,
     usage,
 )
 from cluster.prompting import check_text_fits, encode_chat, encode_prompt, max_chars_per_token
@@ -467,6 +468,7 @@ class RequestRun:
                 ids if self.req.return_token_ids else None,
                 lps if self.req._want_logprobs() else None,
                 False,
+                token_strings(self.s.tokenizer, ids) if self.req._want_logprobs() else None,
             )
         ]
         body["usage"] = self._usage()
@@ -481,6 +483,7 @@ class RequestRun:
             logprobs=self.req._want_logprobs(),
             token_ids=self.req.return_token_ids,
             include_usage=self.req.include_usage,
+            token_text=lambda ids: token_strings(self.s.tokenizer, ids),
         )
         try:
             async with aclosing(self.batches()) as batches:

@@ -10,8 +10,10 @@ The chunks are the same JSON ``cluster.openai_protocol`` builds for the non-stre
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
+
+from cluster.openai_protocol import logprobs_body
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -51,8 +53,13 @@ class ChunkEncoder:
         logprobs: bool,
         token_ids: bool,
         include_usage: bool,
+        token_text: Callable[[Sequence[int]], list[str]] | None = None,
     ):
+        """``token_text``: the sampled tokens' texts for the logprobs (``cluster.openai_protocol.token_strings``)."""
         self.kind = kind
+        self.token_text = token_text
+        #: Characters of completion text already sent: where the next chunk's ``text_offset`` starts.
+        self._text_sent = 0
         self.logprobs = logprobs
         self.token_ids = token_ids
         self.include_usage = include_usage
@@ -73,14 +80,17 @@ class ChunkEncoder:
             lps = tuple(lp for o in outputs for lp in o.new_logprobs)
             finish = outputs[-1].finish_reason
         parts = [b"data: ", self._head, b"null" if finish is None else _dumps(finish).encode()]
+        lp_json = b"null"
+        if self.logprobs:
+            tokens = self.token_text(ids) if self.token_text is not None else [""] * len(lps)
+            lp_json = _dumps(logprobs_body(self.kind, tokens, lps, self._text_sent)).encode()
         if self.kind == "completion":
-            parts += [b',"text":', _dumps(text).encode(), b',"logprobs":']
-            parts.append(_dumps({"token_logprobs": list(lps)}).encode() if self.logprobs else b"null")
+            parts += [b',"text":', _dumps(text).encode(), b',"logprobs":', lp_json]
         else:
             # The role goes in the first delta only, as OpenAI does.
             role = b'"role":"assistant",' if self._first else b""
-            parts += [b',"delta":{', role, b'"content":', _dumps(text).encode(), b'},"logprobs":']
-            parts.append(_chat_logprobs(lps) if self.logprobs else b"null")
+            parts += [b',"delta":{', role, b'"content":', _dumps(text).encode(), b'},"logprobs":', lp_json]
+        self._text_sent += len(text)
         if self.token_ids:
             parts += [b',"token_ids":', _dumps(list(ids)).encode()]
         parts.append(self._tail)
@@ -89,7 +99,3 @@ class ChunkEncoder:
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return b"data: " + (self._envelope + ',"choices":[],"usage":' + _dumps(usage) + "}").encode() + b"\n\n"
-
-
-def _chat_logprobs(lps: Sequence[float]) -> bytes:
-    return _dumps({"content": [{"token": "", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in lps]}).encode()

@@ -29,6 +29,7 @@ from cluster.openai_protocol import (
     new_id,
     parse_body,
     response_envelope,
+    token_strings,
     usage,
 )
 from cluster.prompting import encode_chat, encode_prompt
@@ -51,6 +52,8 @@ class _Line:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    #: The sampled tokens' texts, for the logprobs body (filled when the line asked for logprobs).
+    token_texts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -145,6 +148,7 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
             line.token_ids if line.return_token_ids else None,
             line.logprobs if line.want_logprobs else None,
             stream=False,
+            tokens=line.token_texts if line.want_logprobs else None,
         )
     ]
     body["usage"] = usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens)
@@ -191,6 +195,9 @@ def run_batch(
         if progress:
             bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):.0f} output tok/s", refresh=False)
     bar.close()
+    for line in lines:
+        if line.want_logprobs:
+            line.token_texts = token_strings(engine.tokenizer, line.token_ids)
     for line in lines:
         outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
     failed = sum(1 for line in lines if line.error is not None)

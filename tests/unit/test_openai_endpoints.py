@@ -237,3 +237,56 @@ async def _edge_enforces(demo_model, config):
         messages = [{"role": "user", "content": "hi"}]
         tokens = (await client.post("/tokenize", json={"messages": messages})).json()["tokens"]
         assert tokens == server.tokenizer("[user]hi>", add_special_tokens=False).input_ids  # rendered with the flag's
+
+
+class LogprobWorker(EchoWorker):
+    """Two tokens with their logprobs, their text as the tokenizer decodes them (one engine step each)."""
+
+    IDS, LOGPROBS = (300, 301), (-0.5, -1.5)
+
+    def __init__(self, tokenizer):
+        self.texts = [tokenizer.decode([t]) for t in self.IDS]
+
+    async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
+        yield Started(Route.LOCAL, self.replica_id)
+        n = len(task.prompt_token_ids)
+        for i, (t, lp) in enumerate(zip(self.IDS, self.LOGPROBS, strict=True)):
+            last = i == len(self.IDS) - 1
+            lps = (lp,) if task.params.logprobs else ()
+            out = RequestOutput(
+                task.request_id, (t,), self.texts[i], lps, last, "length" if last else None, n, i + 1, 0
+            )
+            yield (out,)
+
+
+def test_logprobs_carry_token_texts_bytes_and_offsets(demo_model):
+    asyncio.run(_logprobs(demo_model))
+
+
+async def _logprobs(demo_model):
+    tok = load_tokenizer(str(demo_model))
+    worker = LogprobWorker(tok)
+    t0, t1 = worker.texts
+    cfg = parse_serve_config({"device": "cpu", "served_model_name": "m"})
+    server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
+        api = sdk(client)
+        out = await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=1)
+        lp = out.choices[0].logprobs
+        assert lp.tokens == [t0, t1] and lp.token_logprobs == [-0.5, -1.5] and lp.text_offset == [0, len(t0)]
+        chunks = [
+            c async for c in await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=1, stream=True)
+        ]
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert [t for s in streamed for t in s.tokens] == [t0, t1]
+        assert [o for s in streamed for o in s.text_offset] == [0, len(t0)]  # offsets run on across chunks
+        chat = await api.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True
+        )
+        content = chat.choices[0].logprobs.content
+        assert [(c.token, c.logprob, c.bytes) for c in content] == [
+            (t0, -0.5, list(t0.encode())),
+            (t1, -1.5, list(t1.encode())),
+        ]
+        plain = await api.completions.create(model="m", prompt="hi", max_tokens=2)
+        assert plain.choices[0].logprobs is None
