@@ -422,3 +422,48 @@ def test_oversized_and_malformed_bodies_are_refused_before_parsing(server, offli
         assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
     assert httpx.get(f"{server}/health").status_code == 200
     assert complete(server, "Hello", 8).json()["choices"][0]["token_ids"] == offline(["Hello"], 8)[0]
+
+
+def test_killed_decode_replica_ends_its_streams_cleanly_and_the_pool_recovers(server, offline):
+    """Kept last: it kills the module's decode replica. A stream that already sent tokens ends promptly (an error
+    event or a closed stream, never a hang), what it sent is a prefix of the right output, and once Serve has
+    restarted the replica new requests succeed and no block is held anywhere."""
+    want = offline(["Hello"], 200)[0]
+    decode_pid = pools(server)["decode"][0]["pid"]
+    body = {"model": "demo", "prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    got: list[int] = []
+    events: list[str] = []
+    t_kill = None
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={**body, "stream": True, "return_token_ids": True}, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        try:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if line == "data: [DONE]":
+                    break
+                data = json.loads(line[6:])
+                if "error" in data:
+                    break
+                got += data["choices"][0].get("token_ids") or []
+                if got and t_kill is None:
+                    os.kill(decode_pid, signal.SIGKILL)
+                    t_kill = time.monotonic()
+        except httpx.HTTPError:
+            pass  # the proxy closed the stream: also a clean end for the client
+    assert t_kill is not None and time.monotonic() - t_kill < 30  # ended promptly, no hang
+    assert got and got == want[: len(got)] and len(got) < len(want)  # a prefix, never corrupt text
+    assert events[-1] != "data: [DONE]"  # not passed off as a complete answer
+    t0 = time.monotonic()
+    _wait(lambda: httpx.get(f"{server}/health").status_code == 200, 120, "decode pool back")
+    _wait(lambda: any(r["pid"] != decode_pid for r in pools(server)["decode"]), 60, "new decode replica")
+    assert complete(server, "Hello", 8).json()["choices"][0]["token_ids"] == want[:8]
+    recovered_s = time.monotonic() - t0
+    assert recovered_s < 120
+    assert_no_blocks_in_use(server, timeout_s=20)
+    print(
+        f"decode replica killed after {len(got)} tokens; last event {events[-1][:120]!r}; serving again after {recovered_s:.1f} s"
+    )
