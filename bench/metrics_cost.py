@@ -1,0 +1,109 @@
+"""What the metrics cost on the hot path, against what a token costs the engine, in one run.
+
+    python -m bench.metrics_cost [--repeats 5] [--output-tokens 128]
+
+1. The request path's observations, as the edge makes them (``RouterMetrics.observe_token`` once per engine
+   step a request is in, ``observe_finished`` once per request), timed over many simulated requests of
+   ``--output-tokens`` tokens: CPU microseconds per output token.
+2. One ``/metrics`` render (a scrape) with 8 replicas' stats, in milliseconds; at one scrape per 15 s.
+3. The baseline, measured in the same run: the offline engine's wall time per output token on the bench model
+   (hidden 512, 8 layers, vocab 32000, float32; 32 prompts of 64 tokens, ``--output-tokens`` each).
+
+The metrics run on the replica's event loop beside the engine, so their CPU per token over the engine's time per
+token bounds the throughput they can take. Prints min / median / max over ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+from bench.engine_throughput import BENCH_SPEC
+from bench.server_process import machine_line
+from cluster.config import CacheConfig, EngineConfig, SamplingParams
+from cluster.serving.config import SLOConfig
+from cluster.serving.messages import EngineStats, ReplicaStats
+from cluster.serving.metrics import RequestTiming, RouterMetrics
+from cluster.tools.demo_model import ensure_demo_model
+
+
+def observe_us_per_token(output_tokens: int, requests: int = 2000) -> float:
+    m = RouterMetrics(SLOConfig(), model_name="bench")
+    t0 = time.process_time()
+    now = 0.0
+    for i in range(requests):
+        timing = RequestTiming(arrival=now, route="local" if i % 2 else "remote", started=now + 0.001)
+        for _ in range(output_tokens):
+            now += 0.02
+            m.observe_token(timing, now, 1)
+        m.observe_finished(timing, "ok", 64)
+    return (time.process_time() - t0) / (requests * output_tokens) * 1e6
+
+
+def render_ms(replicas: int = 8, scrapes: int = 50) -> float:
+    stats = [
+        ReplicaStats(
+            pool="decode" if i % 2 else "prefill", replica_id=f"r{i}", healthy=True, pid=i, engine=EngineStats()
+        )
+        for i in range(replicas)
+    ]
+    m = RouterMetrics(SLOConfig(), stats_source=lambda: stats, model_name="bench")
+    timing = RequestTiming(arrival=0.0, route="local", started=0.001)
+    for k in range(100):
+        m.observe_token(timing, 0.01 * (k + 1))
+    m.observe_finished(timing, "ok", 64)
+    t0 = time.process_time()
+    for _ in range(scrapes):
+        m.render()
+    return (time.process_time() - t0) / scrapes * 1e3
+
+
+def engine_us_per_token(model_dir: str, output_tokens: int) -> float:
+    from cluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(num_blocks=2048)))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, BENCH_SPEC.vocab_size) for _ in range(64)] for _ in range(32)]
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm up
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    return (time.perf_counter() - t0) / (len(prompts) * output_tokens) * 1e6
+
+
+def _spread(values: list[float]) -> list[float]:
+    return [min(values), statistics.median(values), max(values)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--model-dir", default=".bench-models/llama-512h-8l")
+    args = ap.parse_args()
+    model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
+    print(machine_line())
+    rows: dict[str, list[float]] = {"metrics us/token": [], "render ms/scrape": [], "engine us/token": []}
+    for _ in range(args.repeats):
+        rows["metrics us/token"].append(observe_us_per_token(args.output_tokens))
+        rows["render ms/scrape"].append(render_ms())
+        rows["engine us/token"].append(engine_us_per_token(model_dir, args.output_tokens))
+    print(f"\n{'':32} {'min':>9} {'median':>9} {'max':>9}")
+    for name, values in rows.items():
+        print(f"{name:32} {min(values):9.2f} {statistics.median(values):9.2f} {max(values):9.2f}")
+    shares = [m / e for m, e in zip(rows["metrics us/token"], rows["engine us/token"], strict=True)]
+    print(f"{'metrics / engine time per token':32} " + " ".join(f"{100 * v:8.2f}%" for v in _spread(shares)))
+    engine_us = statistics.median(rows["engine us/token"])
+    scrape_share = statistics.median(rows["render ms/scrape"]) * 1e3 / 15e6  # one scrape's CPU per 15 s of serving
+    print(
+        f"\nrequest-path metrics: {100 * statistics.median(shares):.2f}% of the engine's {engine_us:.0f} us per token "
+        f"(median); one scrape every 15 s: {100 * scrape_share:.3f}% of the time; target <= 2% of online throughput"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
