@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from cluster.config import SamplingParams
 from cluster.errors import InvalidRequestError
 
+#: Most choices one request may ask for: ``n`` x the number of prompts (each is a sequence in the engine).
+MAX_CHOICES = 64
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -120,9 +123,9 @@ class _CommonRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices_bounded(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -160,8 +163,8 @@ class _CommonRequest(BaseModel):
 
 
 class CompletionRequest(_CommonRequest):
-    #: A text or token ids; a list of one prompt (``["text"]``, ``[[ids]]``) is unwrapped.
-    prompt: str | list[int]
+    #: A text or token ids, or a list of them (one choice per prompt, x ``n``); a list of one is unwrapped.
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -182,14 +185,31 @@ class CompletionRequest(_CommonRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("one prompt per request is supported; send a batch as separate requests")
+    def _prompts(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
             v = v[0]
-        if isinstance(v, (str, list)) and len(v) == 0:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request; send more as separate requests")
+            if any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
+                raise ValueError("no prompt of the list may be empty")
+        elif isinstance(v, (str, list)) and len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _total_choices_bounded(self) -> CompletionRequest:
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one for a plain prompt)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]  # type: ignore[list-item]
 
     def _want_logprobs(self) -> bool:
         return bool(self.logprobs)
@@ -329,8 +349,10 @@ def from_validation_error(e: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         msg = f"missing required field {param!r}"
-    else:
+    elif param is not None:
         msg = f"invalid value for {param!r}: {msg}"
+    else:
+        msg = f"invalid request: {msg}"
     return APIError(400, msg, "invalid_request_error", param, err["type"])
 
 

@@ -16,6 +16,8 @@ without the engine's code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import importlib.metadata
 import logging
 import random
@@ -52,6 +54,7 @@ from cluster.serving.config import ServeConfig
 from cluster.serving.messages import GenerateTask, ReplicaStats, Route, Started
 from cluster.serving.metrics import RequestTiming, RouterMetrics
 from cluster.tokenizer import load_tokenizer
+from router import choices
 from router.admission import AdmissionController, PrefixEstimator, Ticket
 from router.api_key import APIKeyMiddleware
 from router.plan import ModelLimits, RequestPlan, plan_request, rejection, user_error
@@ -260,9 +263,11 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_body(await self._read_body(request), CompletionRequest)
         name = self._check_model(req.model)
-        size = len(req.prompt) if isinstance(req.prompt, str) else 0
-        prompt = await self._encode(lambda: encode_prompt(self.tokenizer, req.prompt), size, "prompt")
-        return await self._serve("completion", req, prompt, name)
+        prompts = []
+        for p in req.prompts:
+            size = len(p) if isinstance(p, str) else 0
+            prompts.append(await self._encode(functools.partial(encode_prompt, self.tokenizer, p), size, "prompt"))
+        return await self._serve("completion", req, prompts, name)
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse_body(await self._read_body(request), ChatCompletionRequest)
@@ -272,7 +277,7 @@ class OpenAIServer:
         prompt = await self._encode(
             lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt), size, "messages"
         )
-        return await self._serve("chat", req, prompt, name)
+        return await self._serve("chat", req, [prompt], name)
 
     # ---- one request --------------------------------------------------------------------------
 
@@ -320,8 +325,8 @@ class OpenAIServer:
             return _user_errors(fn)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, _user_errors, fn)
 
-    async def _serve(self, kind: str, req, prompt: list[int], model_name: str) -> Response:
-        arrival = time.monotonic()
+    def _plan(self, kind: str, req, prompt: list[int]) -> RequestPlan:
+        """The request's plan on the admission state now; the 429 when its class is full."""
         self._maybe_refresh()
         load = self.admission.snapshot(self._prefill_up())
         plan = plan_request(kind, req, prompt, self.limits, self.config, load, self.prefix.cached_blocks, req.priority)
@@ -329,8 +334,14 @@ class OpenAIServer:
             self.metrics.rejected.labels(plan.decision.route_class.value).inc()
             self.metrics.errors.labels("429").inc()
             raise rejection(plan, self.config, self._retry_rng)
+        return plan
+
+    async def _serve(self, kind: str, req, prompts: list[list[int]], model_name: str) -> Response:
+        arrival = time.monotonic()
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
-        run = RequestRun(self, kind, req, rid, plan, arrival, model_name)
+        if len(prompts) > 1 or req.n > 1:
+            return await self._serve_choices(kind, req, prompts, model_name, rid, arrival)
+        run = RequestRun(self, kind, req, rid, self._plan(kind, req, prompts[0]), arrival, model_name)
         started = await run.start()
         headers = {"x-shapeserve-route": started.route.value}
         if req.stream:
@@ -340,6 +351,37 @@ class OpenAIServer:
         except APIError as e:
             e.headers.update(headers)
             raise
+        return JSONResponse(body, headers=headers)
+
+    async def _serve_choices(
+        self, kind: str, req, prompts: list[list[int]], model_name: str, rid: str, arrival: float
+    ) -> Response:
+        """Several choices (a list of prompts, ``n`` > 1): one engine request each, admitted one after the other
+        (the 429 of any ends those already admitted), answered as one response whose choices carry
+        ``index = prompt number x n + sequence number``. With a seed, sequence j samples with seed + j."""
+        runs: list[RequestRun] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                for j in range(req.n):
+                    plan = self._plan(kind, req, prompt)
+                    if j and plan.params.seed is not None:
+                        params = dataclasses.replace(plan.params, seed=(plan.params.seed + j) % 2**64)
+                        plan = dataclasses.replace(plan, params=params)
+                    runs.append(RequestRun(self, kind, req, rid, plan, arrival, model_name, i * req.n + j))
+            started = await choices.start_all(runs)
+        except BaseException:
+            await choices.end_all(runs)
+            raise
+        headers = {"x-shapeserve-route": ",".join(sorted({s.route.value for s in started}))}
+        if req.stream:
+            return StreamingResponse(choices.stream_all(runs, req.n), media_type="text/event-stream", headers=headers)
+        try:
+            body = response_envelope(kind, rid, model_name, stream=False)  # type: ignore[arg-type]
+            body["choices"] = await choices.collect_all(runs)
+        except APIError as e:
+            e.headers.update(headers)
+            raise
+        body["usage"] = choices.total_usage(runs, req.n)
         return JSONResponse(body, headers=headers)
 
     def upstream_error(self, e: BaseException) -> APIError:
@@ -365,10 +407,20 @@ class RequestRun:
     ``start()`` then ``sse()`` or ``collect()``; the ticket, the stream and the metrics end exactly once."""
 
     def __init__(
-        self, server: OpenAIServer, kind: str, req, rid: str, plan: RequestPlan, arrival: float, model_name: str
+        self,
+        server: OpenAIServer,
+        kind: str,
+        req,
+        rid: str,
+        plan: RequestPlan,
+        arrival: float,
+        model_name: str,
+        index: int = 0,
     ):
         self.s = server
         self.model_name = model_name
+        #: The choice's ``index`` in the response (prompt number x n + sequence number).
+        self.index = index
         self.kind = kind
         self.req = req
         self.rid = rid
@@ -448,6 +500,13 @@ class RequestRun:
         return usage(len(self.plan.prompt_token_ids), self.num_output, self.num_cached)
 
     async def collect(self) -> dict[str, Any]:
+        body = response_envelope(self.kind, self.rid, self.model_name, stream=False)  # type: ignore[arg-type]
+        body["choices"] = [await self.collect_choice()]
+        body["usage"] = self._usage()
+        return body
+
+    async def collect_choice(self) -> dict[str, Any]:
+        """The whole choice, once the request finished (raises APIError if it failed)."""
         text: list[str] = []
         ids: list[int] = []
         lps: list[float] = []
@@ -459,36 +518,43 @@ class RequestRun:
                     ids.extend(out.new_token_ids)
                     lps.extend(out.new_logprobs)
                 finish = batch[-1].finish_reason
-        body = response_envelope(self.kind, self.rid, self.model_name, stream=False)  # type: ignore[arg-type]
-        body["choices"] = [
-            completion_choice(
-                self.kind,  # type: ignore[arg-type]
-                "".join(text),
-                finish,
-                ids if self.req.return_token_ids else None,
-                lps if self.req._want_logprobs() else None,
-                False,
-                token_strings(self.s.tokenizer, ids) if self.req._want_logprobs() else None,
-            )
-        ]
-        body["usage"] = self._usage()
-        return body
+        choice = completion_choice(
+            self.kind,  # type: ignore[arg-type]
+            "".join(text),
+            finish,
+            ids if self.req.return_token_ids else None,
+            lps if self.req._want_logprobs() else None,
+            False,
+            token_strings(self.s.tokenizer, ids) if self.req._want_logprobs() else None,
+        )
+        choice["index"] = self.index
+        return choice
 
-    async def sse(self) -> AsyncIterator[bytes]:
-        encoder = ChunkEncoder(
+    def encoder(self, created: int) -> ChunkEncoder:
+        return ChunkEncoder(
             self.kind,  # type: ignore[arg-type]
             self.rid,
             self.model_name,
-            int(time.time()),
+            created,
             logprobs=self.req._want_logprobs(),
             token_ids=self.req.return_token_ids,
             include_usage=self.req.include_usage,
             token_text=lambda ids: token_strings(self.s.tokenizer, ids),
+            index=self.index,
         )
+
+    async def chunks(self, encoder: ChunkEncoder) -> AsyncGenerator[bytes, None]:
+        """The request's SSE events, one per engine step (raises APIError when it fails)."""
+        async with aclosing(self.batches()) as batches:
+            async for batch in batches:
+                yield encoder.chunk(batch)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        encoder = self.encoder(int(time.time()))
         try:
-            async with aclosing(self.batches()) as batches:
-                async for batch in batches:
-                    yield encoder.chunk(batch)
+            async with aclosing(self.chunks(encoder)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except APIError as e:
             yield sse_event(e.body()) + DONE
             return

@@ -54,6 +54,7 @@ class ChunkEncoder:
         token_ids: bool,
         include_usage: bool,
         token_text: Callable[[Sequence[int]], list[str]] | None = None,
+        index: int = 0,
     ):
         """``token_text``: the sampled tokens' texts for the logprobs (``cluster.openai_protocol.token_strings``)."""
         self.kind = kind
@@ -65,7 +66,7 @@ class ChunkEncoder:
         self.include_usage = include_usage
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         self._envelope = f'{{"id":{_dumps(request_id)},"object":"{obj}","created":{created},"model":{_dumps(model)}'
-        self._head = (self._envelope + ',"choices":[{"index":0,"finish_reason":').encode()
+        self._head = (self._envelope + f',"choices":[{{"index":{index},"finish_reason":').encode()
         self._tail = ("}]" + (',"usage":null' if include_usage else "") + "}\n\n").encode()
         self._first = True
 

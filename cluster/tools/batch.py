@@ -96,6 +96,9 @@ def _parse_line(
         return line, [], None
     try:
         req = parse_body(json.dumps({**body, "model": model_name}).encode(), model_cls)
+        if req.n > 1 or (isinstance(req, CompletionRequest) and len(req.prompts) > 1):
+            # The server fans these out into several choices; a batch line is one sequence, so it says so.
+            raise APIError(400, "run-batch takes one prompt and n=1 per line; write one line per choice", param="n")
         if isinstance(req, ChatCompletionRequest):
             prompt_ids = encode_chat(engine.tokenizer, req.conversation(), req.add_generation_prompt)
         else:

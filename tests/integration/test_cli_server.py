@@ -230,6 +230,28 @@ def test_every_series_the_grafana_dashboard_charts_is_in_the_scrape(server):
     assert charted and charted <= scraped, sorted(charted - scraped)
 
 
+def test_n_and_several_prompts_on_the_engine(server, run_batch_tokens):
+    """n=3 at temperature 0 gives three copies of the n=1 output; at temperature 1 they differ; with a seed the
+    choices are reproducible; a list of prompts gives each prompt's own greedy output."""
+    url = f"{server.url}/v1/completions"
+    greedy = {**body(SHORT[0]), "n": 3}
+    choices = httpx.post(url, json=greedy, timeout=120).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert all(c["token_ids"] == run_batch_tokens[0] for c in choices)
+    sampled = {**body(SHORT[0]), "n": 3, "temperature": 1.0}
+    texts = [tuple(c["token_ids"]) for c in httpx.post(url, json=sampled, timeout=120).json()["choices"]]
+    assert len(set(texts)) > 1
+    seeded = {**sampled, "seed": 11}
+    first = [c["token_ids"] for c in httpx.post(url, json=seeded, timeout=120).json()["choices"]]
+    again = [c["token_ids"] for c in httpx.post(url, json=seeded, timeout=120).json()["choices"]]
+    assert first == again and len({tuple(t) for t in first}) > 1
+    several = {**body([SHORT[1], LONG[1]]), "n": 1}
+    resp = httpx.post(url, json=several, timeout=120)
+    got = [c["token_ids"] for c in resp.json()["choices"]]
+    assert got == [run_batch_tokens[1], run_batch_tokens[len(SHORT) + 1]]
+    assert resp.json()["usage"]["prompt_tokens"] == len(SHORT[1]) + len(LONG[1])
+
+
 def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):
     # Hostile bodies on both endpoints (bench/fuzz_http.py runs more): every answer is an allowed status with an
     # OpenAI error body, streams end with [DONE], and afterwards the server is healthy and a fixed greedy probe

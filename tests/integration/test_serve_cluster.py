@@ -465,5 +465,6 @@ def test_killed_decode_replica_ends_its_streams_cleanly_and_the_pool_recovers(se
     assert recovered_s < 120
     assert_no_blocks_in_use(server, timeout_s=20)
     print(
-        f"decode replica killed after {len(got)} tokens; last event {events[-1][:120]!r}; serving again after {recovered_s:.1f} s"
+        f"decode replica killed after {len(got)} tokens; last event {events[-1][:120]!r}; "
+        f"serving again after {recovered_s:.1f} s"
     )

@@ -97,6 +97,7 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path, capsys):
         json.dumps(
             {"custom_id": "by-dir", "url": "/v1/completions", "body": {"model": str(demo_model), "prompt": "hi"}}
         ),
+        json.dumps({"custom_id": "n", "url": "/v1/completions", "body": {"prompt": "hi", "n": 2}}),
     ]
     infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     infile.write_text("\n".join(lines) + "\n")
@@ -105,13 +106,14 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path, capsys):
         == 0
     )
     recs = [json.loads(x) for x in outfile.read_text().splitlines()]
-    ids = [None, "long", "ok", "nobody", "chat-missing", "other-model", "bias", "too-long", "by-dir"]
+    ids = [None, "long", "ok", "nobody", "chat-missing", "other-model", "bias", "too-long", "by-dir", "n"]
     assert [r["custom_id"] for r in recs] == ids
-    assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400, 404, 400, 400, 200]
+    assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400, 404, 400, 400, 200, 400]
+    assert "one prompt and n=1 per line" in recs[9]["error"]["message"]
     assert "'gpt-4' does not exist" in recs[5]["error"]["message"] and "logit_bias" in recs[6]["error"]["message"]
     assert "max_tokens" in recs[7]["error"]["message"]
     bar = capsys.readouterr().err  # the progress bar: every line done, with the output rate
-    assert "run-batch: 100%" in bar and "9/9" in bar and "output tok/s" in bar
+    assert "run-batch: 100%" in bar and "10/10" in bar and "output tok/s" in bar
     assert "not valid JSON" in recs[0]["error"]["message"]
     assert "context is 1024" in recs[1]["error"]["message"]
     assert "body must be a JSON object" in recs[3]["error"]["message"]

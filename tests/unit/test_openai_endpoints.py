@@ -152,7 +152,6 @@ REFUSED_COMPLETION = {
     "guided_json": {"type": "object"},
     "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"],
-    "n": 2,
     "echo": True,
     "presence_penalty": 0.5,
     "frequency_penalty": 0.5,
@@ -290,3 +289,73 @@ async def _logprobs(demo_model):
         ]
         plain = await api.completions.create(model="m", prompt="hi", max_tokens=2)
         assert plain.choices[0].logprobs is None
+
+
+class PromptWorker(EchoWorker):
+    """Answers with the prompt's first token id as text; a prompt starting with 13 fails after its first token.
+    Records which requests' streams were closed (what aborts them in the engine)."""
+
+    def __init__(self):
+        self.closed: list[str] = []
+
+    async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
+        try:
+            yield Started(Route.LOCAL, self.replica_id)
+            first, n = task.prompt_token_ids[0], len(task.prompt_token_ids)
+            yield (RequestOutput(task.request_id, (first,), f"<{first}>", (), False, None, n, 1, 0),)
+            if first == 13:
+                yield (RequestOutput(task.request_id, (), "", (), True, "error", n, 1, 0, error="boom"),)
+                return
+            await asyncio.sleep(0.01)
+            yield (RequestOutput(task.request_id, (7,), ".", (), True, "length", n, 2, 0),)
+        finally:
+            self.closed.append(task.request_id)
+
+
+def test_several_prompts_and_n_fan_out_into_indexed_choices(demo_model):
+    asyncio.run(_fan_out(demo_model))
+
+
+async def _fan_out(demo_model):
+    worker = PromptWorker()
+    cfg = parse_serve_config({"device": "cpu", "served_model_name": "m"})
+    server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
+        api = sdk(client)
+        out = await api.completions.create(model="m", prompt=[[10, 1], [11, 2, 3]], n=2, max_tokens=2)
+        assert [(c.index, c.text) for c in out.choices] == [(0, "<10>."), (1, "<10>."), (2, "<11>."), (3, "<11>.")]
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 8)  # each prompt once, every sequence
+        chat = await api.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=3)
+        assert [c.index for c in chat.choices] == [0, 1, 2]
+        stream = await api.completions.create(
+            model="m", prompt=[[10], [11]], max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )
+        texts: dict[int, str] = {}
+        usage = None
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+            usage = chunk.usage or usage
+        assert texts == {0: "<10>.", 1: "<11>."} and usage.completion_tokens == 4
+        # One failing choice fails the response, and the other choices are ended with it (aborted in the engine).
+        worker.closed.clear()
+        with pytest.raises(openai.InternalServerError, match="boom"):
+            await api.completions.create(model="m", prompt=[[10], [13], [11]], max_tokens=2)
+        assert len(worker.closed) == 3
+        worker.closed.clear()
+        body = {"model": "m", "prompt": [[10], [13]], "max_tokens": 2, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            events = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+        assert '"error"' in events[-2] and events[-1] == "data: [DONE]" and len(worker.closed) == 2
+        assert server.admission.inflight(Route.LOCAL) == (0, 0)  # every choice's ticket came back
+    # Admission sees every choice: when the class cannot take all of them, none runs and the 429 says when to retry.
+    cfg = parse_serve_config(
+        {"device": "cpu", "served_model_name": "m", "admission": {"local": {"max_inflight_requests": 2}}}
+    )
+    server = OpenAIServer(cfg, str(demo_model), PromptWorker(), board=None, disaggregated=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": [10], "n": 3, "max_tokens": 2})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert server.admission.inflight(Route.LOCAL) == (0, 0)
+        ok = await client.post("/v1/completions", json={"model": "m", "prompt": [10], "n": 2, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

@@ -33,7 +33,9 @@ def test_wrong_type_names_field():
     assert e.value.param == "max_tokens"
 
 
-@pytest.mark.parametrize("field,value", [("n", 2), ("echo", True), ("presence_penalty", 0.5), ("prompt", "")])
+@pytest.mark.parametrize(
+    "field,value", [("n", 65), ("n", 0), ("echo", True), ("presence_penalty", 0.5), ("prompt", "")]
+)
 def test_unsupported_values_are_400(field, value):
     kw = {"model": "m", "prompt": "hi", field: value}
     with pytest.raises(APIError) as e:
