@@ -132,8 +132,17 @@ def _outcome(status: int) -> str:
     return f"refused ({status})"
 
 
-def admin(url: str) -> list[dict]:
-    return httpx.get(f"{url}/admin/pools", timeout=10).json()["replicas"]
+def admin(url: str, wait_s: float = 120.0) -> list[dict]:
+    """Every replica's report; waits (up to ``wait_s``) while the endpoint is down (a killed decode replica
+    serving the port itself, until Serve has restarted it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return httpx.get(f"{url}/admin/pools", timeout=10).json()["replicas"]
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def main() -> int:
@@ -161,8 +170,19 @@ def main() -> int:
 
         clients = [Soak(url, args.seed + i + 1) for i in range(args.clients)]
 
+        # The decode replica's PSS every 30 s: a plateau is the allocator keeping its high-water mark (by design,
+        # cluster/engine/host_memory.py), steady growth would be a leak.
+        decode_pss: list[float] = []
+
+        async def sample_memory() -> None:
+            while time.monotonic() < until:
+                pss = await asyncio.to_thread(server.pss_mb)
+                decode_pss.append(pss.get("decode replica (edge + engine)", 0.0))
+                await asyncio.sleep(30)
+
         async def run_clients() -> None:
             tasks = [asyncio.create_task(c.client(until)) for c in clients]
+            tasks.append(asyncio.create_task(sample_memory()))
             if args.kill != "none":
                 await asyncio.sleep(seconds / 2)
                 victim = next(r for r in admin(url) if r["pool"] == args.kill)
@@ -194,6 +214,7 @@ def main() -> int:
     for group in sorted(pss_before):
         before, after = pss_before[group], pss_after.get(group, 0.0)
         print(f"  {group:45} {before:8.0f} -> {after:8.0f} ({after - before:+.0f})")
+    print("decode replica PSS every 30 s, MB: " + " ".join(f"{v:.0f}" for v in decode_pss))
     print(json.dumps({"counts": dict(soak.counts), "leaked_blocks": leaked}))
     return 0 if leaked == 0 and not any(k.startswith("failed (5") for k in soak.counts) else 1
 

@@ -116,8 +116,11 @@ class DecodeServer:
 
     async def __init__(self, config: ServeConfig, model_dir: str, prefill, board, num_threads: int):  # type: ignore[misc]
         # Imported here, in the replica: the driver that builds the app never loads torch or the model code.
+        from cluster.serving.direct_ingress import allow_rebind_after_crash
         from decode_workers.replica import DecodeWorker
         from router.server import OpenAIServer
+
+        allow_rebind_after_crash()  # before Serve starts this replica's HTTP server (after __init__)
 
         kv_host = node_ip() if prefill is not None and config.kv_transfer_host is None else None
         self.worker: DecodeWorker = await DecodeWorker.start(

@@ -274,3 +274,45 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         assert probe(client, server.url, "demo") == before
     assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 50, statuses  # both kinds were exercised
+
+
+def test_killed_decode_replica_gets_its_port_back(server, run_batch_tokens):
+    # Kept last: it kills the replica that serves the port itself, with streams in flight. Their connections stay
+    # in TIME_WAIT on the port when the replacement binds it; that used to make Serve block the port for good, so
+    # the server never answered again (cluster/serving/direct_ingress.py). Now the replacement serves it.
+    import asyncio
+    import os
+    import signal
+
+    replicas = httpx.get(f"{server.url}/admin/pools", timeout=10).json()["replicas"]
+    decode_pid = next(r["pid"] for r in replicas if r["pool"] == "decode")
+
+    async def stream(client: httpx.AsyncClient, i: int) -> None:
+        long = body([5 + i, 17], max_tokens=300, stream=True)
+        try:
+            async with client.stream("POST", f"{server.url}/v1/completions", json=long) as resp:
+                async for _ in resp.aiter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # cut by the kill
+
+    async def kill_mid_stream() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            streams = [asyncio.create_task(stream(client, i)) for i in range(4)]
+            await asyncio.sleep(1.0)
+            os.kill(decode_pid, signal.SIGKILL)
+            await asyncio.gather(*streams)
+
+    asyncio.run(kill_mid_stream())
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the decode replica never served its port again after a crash")
+    recovered = httpx.post(f"{server.url}/v1/completions", json=body(SHORT[0]), timeout=120)
+    assert recovered.json()["choices"][0]["token_ids"] == run_batch_tokens[0]
