@@ -24,11 +24,11 @@ def _check_unicode(text: str, param: str) -> None:
         ) from None
 
 
-def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
     """Text is tokenized with the tokenizer's own special tokens (e.g. BOS); a list of ids passes through."""
     if isinstance(prompt, str):
         _check_unicode(prompt, "prompt")
-        return list(tokenizer(prompt).input_ids)
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise InvalidRequestError("prompt must be a string or a list of integer token ids", "prompt")
     return list(prompt)

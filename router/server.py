@@ -237,18 +237,12 @@ class OpenAIServer:
             tokens = await self._encode(encode, size, "messages")
         else:
             text = req.prompt or ""
-            encode = lambda: self._tokenize_text(text, req.add_special_tokens)  # noqa: E731
+            encode = functools.partial(encode_prompt, self.tokenizer, text, req.add_special_tokens)
             tokens = await self._encode(encode, len(text), "prompt")
         body: dict[str, Any] = {"count": len(tokens), "max_model_len": self.limits.max_model_len, "tokens": tokens}
         if req.return_token_strs:
             body["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
         return JSONResponse(body)
-
-    def _tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        if add_special_tokens:
-            return encode_prompt(self.tokenizer, text)
-        encode_prompt(self.tokenizer, "")  # the same Unicode checks as a prompt (lone surrogates: 400)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     async def detokenize(self, request: Request) -> Response:
         req: DetokenizeRequest = parse_body(await self._read_body(request), DetokenizeRequest)

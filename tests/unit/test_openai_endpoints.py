@@ -359,3 +359,13 @@ async def _fan_out(demo_model):
         assert server.admission.inflight(Route.LOCAL) == (0, 0)
         ok = await client.post("/v1/completions", json={"model": "m", "prompt": [10], "n": 2, "max_tokens": 2})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_tokenize_without_special_tokens_still_refuses_lone_surrogates(demo_model):
+    async def run():
+        async with edge(demo_model, served_model_name="m") as client:
+            raw = json.dumps({"prompt": "hi \ud800", "add_special_tokens": False})
+            r = await client.post("/tokenize", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+    asyncio.run(run())
