@@ -244,6 +244,15 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (role, text); InvalidRequestError for a content part that is not
+    text."""
+    try:
+        return [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as e:
+        raise InvalidRequestError(str(e), "messages") from None
+
+
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -265,10 +274,7 @@ class ChatCompletionRequest(_CommonRequest):
         return self.logprobs
 
     def conversation(self) -> list[dict[str, str]]:
-        try:
-            return [{"role": m.role, "content": m.text()} for m in self.messages]
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "messages") from None
+        return conversation(self.messages or [])
 
 
 class TokenizeRequest(BaseModel):
@@ -296,10 +302,7 @@ class TokenizeRequest(BaseModel):
         return self
 
     def conversation(self) -> list[dict[str, str]]:
-        try:
-            return [{"role": m.role, "content": m.text()} for m in self.messages or []]
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "messages") from None
+        return conversation(self.messages or [])
 
 
 class DetokenizeRequest(BaseModel):

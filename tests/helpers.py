@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Callable
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from cluster.engine.request import Request
@@ -35,3 +37,17 @@ def engine_config(
 def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def disable_ray_token_auth() -> Callable[[], None]:
+    """Test clusters run without Ray's token auth (Ray >= 2.5x turns it on); returns what restores the variable."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+
+    return restore

@@ -5,13 +5,14 @@ the decode pool on running sequences, the prefill pool on queued prompt tokens (
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
+
+from tests.helpers import disable_ray_token_auth
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +51,7 @@ async def load(
 def scale_up_and_down(
     demo_model, config: dict, nodes: list[dict], deployment: str, prompt, max_tokens: int, ramp_clients: int
 ):
-    auth_mode = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    restore_auth = disable_ray_token_auth()
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -95,10 +95,7 @@ def scale_up_and_down(
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
-        if auth_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = auth_mode
+        restore_auth()
 
 
 def _wait(cond, timeout_s: float) -> None:

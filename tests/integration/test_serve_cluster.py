@@ -19,6 +19,8 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import disable_ray_token_auth
+
 pytestmark = pytest.mark.slow
 
 SHORT = ["Hello", "The quick brown fox", "Numbers: 1 2 3"]  # <= 32 tokens: LOCAL
@@ -41,8 +43,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(demo_model):
-    auth_mode = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # test clusters run without token auth (Ray >= 2.5x)
+    restore_auth = disable_ray_token_auth()
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -80,10 +81,7 @@ def server(demo_model):
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
-        if auth_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = auth_mode
+        restore_auth()
 
 
 @pytest.fixture(scope="module")
