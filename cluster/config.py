@@ -26,6 +26,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: (int64 tensors in the sampler, a 64-bit generator seed): a larger one is a 400, never a crash.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Entries one request's ``logit_bias`` may have (each costs a scatter per step).
+MAX_LOGIT_BIAS = 1024
+#: The most alternatives per position a request may ask for (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -208,12 +212,36 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    #: With ``logprobs``: how many of each position's most likely tokens to report with theirs.
+    top_logprobs: int = 0
     #: Do not count or check stop strings inside the returned text (OpenAI default: excluded).
     include_stop_str_in_output: bool = False
+    #: OpenAI's: subtract ``presence_penalty`` once from every token already generated, and
+    #: ``frequency_penalty`` once per time it was generated.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: vLLM's / transformers': divide positive (multiply negative) logits of every token in the prompt or the
+    #: output by this; 1 is off.
+    repetition_penalty: float = 1.0
+    #: EOS, ``stop_token_ids`` and stop strings cannot end the output before this many tokens.
+    min_tokens: int = 0
+    #: (token id, bias) pairs added to the logits before sampling; -100 bans a token, +100 forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Drop tokens whose probability is below ``min_p`` x the most likely token's; 0 is off.
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether sampling must change this request's logits beyond temperature / top-k / top-p."""
+        return self.has_penalties or self.min_tokens > 0 or bool(self.logit_bias) or self.min_p > 0.0
 
     def validate(self) -> SamplingParams:
         def is_int(v: Any) -> bool:
@@ -241,7 +269,45 @@ class SamplingParams:
             raise InvalidRequestError("at most 16 stop strings are allowed", "stop")
         if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be token ids (non-negative integers)", "stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:  # NaN fails too
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}", name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 2] (1 is off), got {self.repetition_penalty!r}",
+                "repetition_penalty",
+            )
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}",
+                "top_logprobs",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: set logprobs to true", "top_logprobs")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+        for token, bias in self.logit_bias:
+            if not is_int(token) or not 0 <= token <= INT32_MAX:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias")
         return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: every token id the params name is in its vocabulary."""
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})", "logit_bias"
+                )
 
 
 def served_context_length(model: ModelConfig, max_model_len: int | None) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.config import SamplingParams
+from cluster.config import MAX_TOP_LOGPROBS, SamplingParams
 from cluster.errors import InvalidRequestError
 
 #: Most choices one request may ask for: ``n`` x the number of prompts (each is a sequence in the engine).
@@ -32,10 +32,6 @@ _NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
-    "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
     "best_of": (1,),
     "guided_json": (),
     "guided_regex": (),
@@ -71,8 +67,8 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # shapeserve extensions
     top_k: int = 0
@@ -80,15 +76,16 @@ class _CommonRequest(BaseModel):
     return_token_ids: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # Sampling extensions of vLLM's (and OpenAI's logit_bias), applied in the engine's batched sampler.
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     # Fields of the OpenAI API and vLLM's extensions that change the output and are not implemented yet: a request
     # that sets one to anything but its neutral value is refused with a 400 naming it, never silently ignored.
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
     best_of: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -128,13 +125,6 @@ class _CommonRequest(BaseModel):
             raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence/frequency penalties are not supported; leave them at 0")
-        return v
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -144,6 +134,9 @@ class _CommonRequest(BaseModel):
 
     def _want_logprobs(self) -> bool:
         return False
+
+    def _top_logprobs(self) -> int:
+        return 0
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's params; raises InvalidRequestError naming the bad field."""
@@ -159,14 +152,36 @@ class _CommonRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self._want_logprobs(),
+            top_logprobs=self._top_logprobs(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            min_p=self.min_p,
         ).validate()
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as the engine's pairs; a key that is not a token id is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (use /tokenize to find them), got {key!r}", "logit_bias"
+            ) from None
+        pairs.append((token, value))
+    return tuple(pairs)
 
 
 class CompletionRequest(_CommonRequest):
     #: A text or token ids, or a list of them (one choice per prompt, x ``n``); a list of one is unwrapped.
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    #: Completions' logprobs: the number of alternatives per position (0: the sampled token's logprob only).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("echo")
@@ -212,7 +227,10 @@ class CompletionRequest(_CommonRequest):
         return [p]  # type: ignore[list-item]
 
     def _want_logprobs(self) -> bool:
-        return bool(self.logprobs)
+        return self.logprobs is not None
+
+    def _top_logprobs(self) -> int:
+        return self.logprobs or 0
 
 
 #: The roles OpenAI's chat API defines; anything else is refused before it reaches a chat template.
@@ -257,21 +275,17 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("top_logprobs is not supported by this server yet; use logprobs alone or remove it")
-        return v
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def _want_logprobs(self) -> bool:
         return self.logprobs
+
+    def _top_logprobs(self) -> int:
+        return self.top_logprobs or 0
 
     def conversation(self) -> list[dict[str, str]]:
         return conversation(self.messages or [])
@@ -402,22 +416,54 @@ def token_strings(tokenizer, token_ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in token_ids]
 
 
+#: Per position, its most likely tokens as (text, logprob), most likely first.
+NamedAlternatives = Sequence[Sequence[tuple[str, float]]]
+
+
+def alternative_strings(
+    tokenizer, alternatives: Sequence[Sequence[tuple[int, float]]]
+) -> list[list[tuple[str, float]]]:
+    """The engine's (token id, logprob) alternatives with each token's text, decoded in one pass."""
+    texts = iter(token_strings(tokenizer, [t for position in alternatives for t, _ in position]))
+    return [[(next(texts), lp) for _, lp in position] for position in alternatives]
+
+
+def _by_text(position: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """Completions' {text: logprob}: two tokens with the same text (e.g. both U+FFFD) keep the likelier one."""
+    named: dict[str, float] = {}
+    for text, logprob in position:
+        named.setdefault(text, logprob)
+    return named
+
+
 def logprobs_body(
-    kind: Literal["completion", "chat"], tokens: Sequence[str], logprobs: Sequence[float], text_offset: int = 0
+    kind: Literal["completion", "chat"],
+    tokens: Sequence[str],
+    logprobs: Sequence[float],
+    text_offset: int = 0,
+    alternatives: NamedAlternatives | None = None,
 ) -> dict[str, Any]:
-    """The ``logprobs`` of a choice (or of one stream chunk) for the sampled tokens: completions' ``tokens``,
-    ``token_logprobs`` and ``text_offset`` (characters into the completion, from ``text_offset``), chat's ``token``,
-    ``logprob`` and UTF-8 ``bytes`` per token. Alternatives (``top_logprobs``) are not computed yet."""
+    """The ``logprobs`` of a choice (or of one stream chunk): completions' ``tokens``, ``token_logprobs``,
+    ``text_offset`` (characters into the completion, from ``text_offset``) and ``top_logprobs`` (a {text: logprob}
+    per position, or null when none were asked); chat's ``token``, ``logprob``, UTF-8 ``bytes`` and ``top_logprobs``
+    (the same three for each alternative) per token. ``alternatives``: per position, from ``alternative_strings``."""
     if kind == "completion":
         offsets = []
         for t in tokens:
             offsets.append(text_offset)
             text_offset += len(t)
-        return {"tokens": list(tokens), "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        top = [_by_text(position) for position in alternatives] if alternatives is not None else None
+        return {"tokens": list(tokens), "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+    positions = alternatives if alternatives is not None else [()] * len(tokens)
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(tokens, logprobs, strict=True)
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": list(t.encode("utf-8")),
+                "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))} for a, alp in alts],
+            }
+            for t, lp, alts in zip(tokens, logprobs, positions, strict=True)
         ]
     }
 
@@ -430,10 +476,12 @@ def completion_choice(
     logprobs: list[float] | None,
     stream: bool,
     tokens: list[str] | None = None,
+    alternatives: NamedAlternatives | None = None,
 ) -> dict[str, Any]:
-    """One choice; ``tokens``: the sampled tokens' texts (``token_strings``), needed with ``logprobs``."""
+    """One choice; ``tokens``: the sampled tokens' texts (``token_strings``), needed with ``logprobs``;
+    ``alternatives``: each position's most likely tokens, when the request asked for them."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-    lp_body = logprobs_body(kind, tokens or [], logprobs) if logprobs is not None else None
+    lp_body = logprobs_body(kind, tokens or [], logprobs, 0, alternatives) if logprobs is not None else None
     if kind == "completion":
         choice["text"] = text
         choice["logprobs"] = lp_body

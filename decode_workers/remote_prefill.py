@@ -92,7 +92,9 @@ class RemotePrefill:
         for attempt in range(self.timeouts.max_prefill_attempts):
             result = await self._attempt(attempt)
             if result is not None:  # the KV is in place: decode continues after the prefill's first token
-                await self.engine.complete_remote_kv(self.task.request_id, result.first_token_id, result.first_logprob)
+                await self.engine.complete_remote_kv(
+                    self.task.request_id, result.first_token_id, result.first_logprob, result.first_top_logprobs
+                )
                 return Route.REMOTE
         self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
         await self.engine.fallback_to_local_prefill(self.task.request_id)

@@ -88,8 +88,16 @@ class PrefillWorker:
             last_transport=sent.transport,
         )
         first_lp = out.new_logprobs[0] if out.new_logprobs else None
+        first_top = out.new_top_logprobs[0] if out.new_top_logprobs else ()
         return PrefillResult(
-            rid, out.new_token_ids[0], first_lp, self.replica_id, sent.num_blocks, sent.nbytes, sent.transport
+            rid,
+            out.new_token_ids[0],
+            first_lp,
+            self.replica_id,
+            sent.num_blocks,
+            sent.nbytes,
+            sent.transport,
+            first_top_logprobs=first_top,
         )
 
     def _count(self, **changes) -> None:

@@ -67,6 +67,7 @@ def plan_request(
     blocks are believed to be in the decode replica's prefix cache (read-only); ``load``: the admission state."""
     try:
         params = request.sampling_params(default_max_tokens(kind, len(prompt), limits))
+        params.check_vocab(limits.vocab_size)
         check_prompt(prompt, params.max_tokens, limits.vocab_size, limits.max_model_len)
     except ShapeserveError as e:
         raise user_error(e) from None

@@ -41,6 +41,7 @@ from cluster.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    alternative_strings,
     completion_choice,
     error_body,
     new_id,
@@ -504,6 +505,7 @@ class RequestRun:
         text: list[str] = []
         ids: list[int] = []
         lps: list[float] = []
+        alternatives: list[tuple[tuple[int, float], ...]] = []
         finish = None
         async with aclosing(self.batches()) as batches:
             async for batch in batches:
@@ -511,6 +513,7 @@ class RequestRun:
                     text.append(out.new_text)
                     ids.extend(out.new_token_ids)
                     lps.extend(out.new_logprobs)
+                    alternatives.extend(out.new_top_logprobs)
                 finish = batch[-1].finish_reason
         choice = completion_choice(
             self.kind,  # type: ignore[arg-type]
@@ -520,6 +523,7 @@ class RequestRun:
             lps if self.req._want_logprobs() else None,
             False,
             token_strings(self.s.tokenizer, ids) if self.req._want_logprobs() else None,
+            alternative_strings(self.s.tokenizer, alternatives) if self.req._top_logprobs() else None,
         )
         choice["index"] = self.index
         return choice
@@ -535,6 +539,9 @@ class RequestRun:
             include_usage=self.req.include_usage,
             token_text=lambda ids: token_strings(self.s.tokenizer, ids),
             index=self.index,
+            alternatives_text=(lambda alts: alternative_strings(self.s.tokenizer, alts))
+            if self.req._top_logprobs()
+            else None,
         )
 
     async def chunks(self, encoder: ChunkEncoder) -> AsyncGenerator[bytes, None]:

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
-from cluster.openai_protocol import logprobs_body
+from cluster.openai_protocol import NamedAlternatives, logprobs_body
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -31,6 +31,9 @@ class Output(Protocol):
 
     @property
     def new_logprobs(self) -> tuple[float, ...]: ...
+
+    @property
+    def new_top_logprobs(self) -> tuple[tuple[tuple[int, float], ...], ...]: ...
 
     @property
     def finish_reason(self) -> str | None: ...
@@ -55,10 +58,14 @@ class ChunkEncoder:
         include_usage: bool,
         token_text: Callable[[Sequence[int]], list[str]] | None = None,
         index: int = 0,
+        alternatives_text: Callable[[Sequence[Sequence[tuple[int, float]]]], NamedAlternatives] | None = None,
     ):
-        """``token_text``: the sampled tokens' texts for the logprobs (``cluster.openai_protocol.token_strings``)."""
+        """``token_text``: the sampled tokens' texts for the logprobs (``cluster.openai_protocol.token_strings``);
+        ``alternatives_text``: given when the request asked for ``top_logprobs``, names each alternative's token
+        (``cluster.openai_protocol.alternative_strings``)."""
         self.kind = kind
         self.token_text = token_text
+        self.alternatives_text = alternatives_text
         #: Characters of completion text already sent: where the next chunk's ``text_offset`` starts.
         self._text_sent = 0
         self.logprobs = logprobs
@@ -84,7 +91,10 @@ class ChunkEncoder:
         lp_json = b"null"
         if self.logprobs:
             tokens = self.token_text(ids) if self.token_text is not None else [""] * len(lps)
-            lp_json = _dumps(logprobs_body(self.kind, tokens, lps, self._text_sent)).encode()
+            alternatives = None
+            if self.alternatives_text is not None:
+                alternatives = self.alternatives_text([a for o in outputs for a in o.new_top_logprobs])
+            lp_json = _dumps(logprobs_body(self.kind, tokens, lps, self._text_sent, alternatives)).encode()
         if self.kind == "completion":
             parts += [b',"text":', _dumps(text).encode(), b',"logprobs":', lp_json]
         else:

@@ -5,11 +5,20 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from cluster.engine.request import Request
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class History:
+    """A request's tokens so far, as the sampler's penalties and min_tokens read them."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 def make_request(

@@ -20,9 +20,9 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.linear import choose_matmul, pack_weights, use_matmul
-from cluster.engine.model_runner import ModelRunner, RunnerOutput
+from cluster.engine.model_runner import ModelRunner, RunnerOutput, SampledToken
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.sampler import skip_one_draw
+from cluster.engine.sampler import Alternatives, skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError
@@ -48,6 +48,8 @@ class RequestOutput:
     num_cached_tokens: int
     #: Set (with finish_reason "error") when the engine failed on this request; it has ended.
     error: str | None = None
+    #: Per new token, its position's most likely tokens (when the request asked for ``top_logprobs``).
+    new_top_logprobs: tuple[Alternatives, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, cache, self.block_pool)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         self.backend.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1])
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, cache.block_size, config.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.backend, cache.block_size, config.device, tuple(sorted(self.eos_token_ids))
+        )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished_outputs: list[RequestOutput] = []
@@ -100,7 +104,7 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError if the request can never run here. Does not modify the engine."""
-        params.validate()
+        params.validate().check_vocab(self.model_config.vocab_size)
         check_prompt(prompt_token_ids, params.max_tokens, self.model_config.vocab_size, self.max_model_len)
         blocks = -(-(len(prompt_token_ids) + params.max_tokens) // self.kv_layout.block_size)
         if blocks > self.kv_layout.num_blocks:
@@ -160,7 +164,13 @@ class LLMEngine:
             return None
         return RemoteKVReservation(tuple(req.block_ids), req.num_cached_tokens)
 
-    def complete_remote_kv(self, request_id: str, first_token_id: int, first_logprob: float | None = None) -> None:
+    def complete_remote_kv(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: float | None = None,
+        first_top_logprobs: Alternatives = (),
+    ) -> None:
         req = self.requests[request_id]
         if req.generator is not None and not req.params.greedy:
             # The prefill worker drew the first token from the same seed: continue after that draw.
@@ -169,7 +179,8 @@ class LLMEngine:
         if first_logprob is not None:
             req.output_logprobs.append(first_logprob)
         # The first token came from the prefill worker; report it (and stop on it) like a sampled one.
-        self._finished_outputs.extend(self._postprocess_tokens([(req, first_token_id, first_logprob)]))
+        first = SampledToken(first_token_id, first_logprob, first_top_logprobs)
+        self._finished_outputs.extend(self._postprocess_tokens([(req, first)]))
 
     def fallback_to_local_prefill(self, request_id: str) -> None:
         self.scheduler.fallback_to_local(self.requests[request_id])
@@ -226,32 +237,31 @@ class LLMEngine:
             error=f"{type(error).__name__}: {error}",
         )
 
-    def _postprocess(
-        self, sched_out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]
-    ) -> list[RequestOutput]:
+    def _postprocess(self, sched_out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
         self.scheduler.update_after_step(sched_out)
         fresh = []
         for s in sched_out.scheduled:
             req = s.request
             if req.request_id in sampled:
-                token, logprob = sampled[req.request_id]
-                req.output_token_ids.append(token)
-                if logprob is not None:
-                    req.output_logprobs.append(logprob)
-                fresh.append((req, token, logprob))
+                token = sampled[req.request_id]
+                req.output_token_ids.append(token.token_id)
+                if token.logprob is not None:
+                    req.output_logprobs.append(token.logprob)
+                fresh.append((req, token))
         return self._postprocess_tokens(fresh)
 
-    def _postprocess_tokens(self, fresh) -> list[RequestOutput]:
+    def _postprocess_tokens(self, fresh: list[tuple[Request, SampledToken]]) -> list[RequestOutput]:
         outputs = []
-        for req, token, logprob in fresh:
+        for req, token in fresh:
             try:
-                outputs.append(self._postprocess_token(req, token, logprob))
+                outputs.append(self._postprocess_token(req, token))
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer failure: this request only
                 log.exception("postprocessing request %s failed", req.request_id)
                 outputs.append(self._fail(req, e))
         return outputs
 
-    def _postprocess_token(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+    def _postprocess_token(self, req: Request, sampled: SampledToken) -> RequestOutput:
+        token, logprob = sampled.token_id, sampled.logprob
         detok = self._detok[req.request_id]
         before = len(detok.text)
         detok.push([token])
@@ -272,6 +282,7 @@ class LLMEngine:
             new_token_ids=(token,),
             new_text=new_text,
             new_logprobs=(logprob,) if logprob is not None else (),
+            new_top_logprobs=(sampled.top_logprobs,) if req.params.top_logprobs else (),
             finished=status is not None,
             finish_reason=status.finish_reason if status is not None else None,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -291,7 +302,9 @@ class LLMEngine:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        # Before min_tokens the sampler never picks a stop id; the length check keeps the rule in one obvious place.
+        is_stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if is_stop and len(req.output_token_ids) > p.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -300,8 +313,8 @@ class LLMEngine:
     @staticmethod
     def _find_stop_string(req: Request, text: str, before: int) -> int | None:
         """Where the returned text ends if a stop string completed in the new text, else None."""
-        if not req.params.stop:
-            return None
+        if not req.params.stop or len(req.output_token_ids) <= req.params.min_tokens:
+            return None  # as in vLLM: stop strings count only after min_tokens tokens
         best = None
         for stop in req.params.stop:
             i = text.find(stop, max(0, before - len(stop) + 1))
@@ -313,7 +326,7 @@ class LLMEngine:
     # ---- convenience -----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        """Runs prompts to completion; returns per prompt {token_ids, text, finish_reason, logprobs}."""
+        """Runs prompts to completion; returns per prompt {token_ids, text, finish_reason, logprobs, top_logprobs}."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, plist, strict=False):
@@ -328,6 +341,7 @@ class LLMEngine:
                 "text": "".join(o.new_text for o in outputs[rid]),
                 "finish_reason": outputs[rid][-1].finish_reason if outputs[rid] else None,
                 "logprobs": [lp for o in outputs[rid] for lp in o.new_logprobs],
+                "top_logprobs": [a for o in outputs[rid] for a in o.new_top_logprobs],
             }
             for rid in ids
         ]

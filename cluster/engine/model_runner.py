@@ -14,21 +14,38 @@ import torch
 
 from cluster.engine.attention.base import AttentionBackend, AttentionMetadata
 from cluster.engine.model import LlamaForCausalLM
-from cluster.engine.sampler import sample
+from cluster.engine.sampler import Alternatives, sample
 from cluster.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    #: The token's logprob, None when the request did not ask for logprobs.
+    logprob: float | None = None
+    #: The position's most likely tokens (``top_logprobs`` of them), () when not asked.
+    top_logprobs: Alternatives = ()
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
-    #: request id -> (sampled token id, logprob or None), for requests whose step reached their last token.
-    sampled: dict[str, tuple[int, float | None]]
+    #: request id -> what was sampled, for requests whose step reached their last token.
+    sampled: dict[str, SampledToken]
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int, device
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        block_size: int,
+        device,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.model = model
+        #: What ``min_tokens`` holds back (with each request's own stop ids).
+        self.eos_token_ids = eos_token_ids
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
@@ -82,6 +99,6 @@ class ModelRunner:
         last_rows = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last_rows[sampling]])
         reqs = [out.scheduled[i].request for i in sampling]
-        result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        rows = zip(reqs, result.token_ids, result.logprobs, strict=True)
-        return RunnerOutput({r.request_id: (t, lp) for r, t, lp in rows})
+        result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs, self.eos_token_ids)
+        rows = zip(reqs, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
+        return RunnerOutput({r.request_id: SampledToken(t, lp, top) for r, t, lp, top in rows})

@@ -1,19 +1,26 @@
 """Token sampling for a batch of requests in one pass.
 
-Greedy rows take the argmax. Random rows apply temperature, then top-k and top-p on one
-sorted copy of the logits, then sample with the exponential-race trick
-(argmax(p / q), q ~ Exp(1)), which equals drawing from p and lets requests with a seed use
+First the per-request logits processors (logit_bias, min_tokens, penalties: see
+``logits_processors``). Then greedy rows take the argmax. Random rows apply temperature, min_p,
+then top-k and top-p on one sorted copy of the logits, then sample with the exponential-race
+trick (argmax(p / q), q ~ Exp(1)), which equals drawing from p and lets requests with a seed use
 their own generator for q while the rest share one batched draw.
-Logprobs are of the chosen token under the model's raw distribution (before temperature).
+Logprobs are of the chosen token under the model's raw distribution (before any processing or
+temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cluster.config import SamplingParams
+from cluster.engine.logits_processors import TokenHistory, process_logits
+
+#: A position's most likely tokens and their logprobs, most likely first.
+Alternatives = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -21,27 +28,46 @@ class SamplerOutput:
     token_ids: list[int]
     #: Logprob of each chosen token, or None where the request did not ask for logprobs.
     logprobs: list[float | None]
+    #: Each row's ``top_logprobs`` most likely tokens, () where the request asked for none.
+    top_logprobs: list[Alternatives]
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: Sequence[TokenHistory] = (),
+    stop_token_ids: Sequence[int] = (),
 ) -> SamplerOutput:
-    """logits: [batch, vocab] float32, one row per request. Does not modify ``logits``."""
+    """logits: [batch, vocab] float32, one row per request. Does not modify ``logits``.
+
+    ``histories``: each row's tokens so far, needed when a request uses penalties or min_tokens;
+    ``stop_token_ids``: the model's EOS ids, which min_tokens holds back."""
     batch, vocab = logits.shape
+    processed = process_logits(logits, params, histories, stop_token_ids)
     greedy = [p.greedy for p in params]
     if all(greedy):
-        chosen = logits.argmax(dim=-1)
+        chosen = processed.argmax(dim=-1)
     else:
-        chosen = _sample_random(logits, params, generators, greedy)
+        chosen = _sample_random(processed, params, generators, greedy)
     token_ids = chosen.tolist()
     logprobs: list[float | None] = [None] * batch
+    top: list[Alternatives] = [()] * batch
     wants = [i for i, p in enumerate(params) if p.logprobs]
     if wants:
         rows = torch.tensor(wants)
-        lp = torch.log_softmax(logits[rows], dim=-1).gather(1, chosen[rows, None]).squeeze(1).tolist()
-        for i, v in zip(wants, lp, strict=False):
+        all_lps = torch.log_softmax(logits[rows], dim=-1)
+        lp = all_lps.gather(1, chosen[rows, None]).squeeze(1).tolist()
+        for i, v in zip(wants, lp, strict=True):
             logprobs[i] = v
-    return SamplerOutput(token_ids, logprobs)
+        k = max(params[i].top_logprobs for i in wants)
+        if k:
+            # One top-k for every row that asked, at the largest k asked; each row keeps its own k.
+            values, ids = all_lps.topk(min(k, vocab), dim=-1)
+            for i, row_values, row_ids in zip(wants, values.tolist(), ids.tolist(), strict=True):
+                n = params[i].top_logprobs
+                top[i] = tuple(zip(row_ids[:n], row_values[:n], strict=True))
+    return SamplerOutput(token_ids, logprobs, top)
 
 
 def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
@@ -56,6 +82,10 @@ def _sample_random(logits, params, generators, greedy) -> torch.Tensor:
         [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], dtype=torch.float32
     )
     scaled = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        # p < min_p x p_max  <=>  logit < logit_max + log(min_p); log(0) = -inf drops nothing.
+        log_min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).log()
+        scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p[:, None], float("-inf"))
     # A top_k above the vocabulary keeps every token (and must not overflow the int64 tensor below).
     top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_ps = [p.top_p for p in params]

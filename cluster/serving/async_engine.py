@@ -138,8 +138,14 @@ class AsyncEngine:
     ) -> RemoteKVReservation | None:
         return await self.call(lambda e: e.reserve_remote_kv(request_id, prompt, params))
 
-    async def complete_remote_kv(self, request_id: str, first_token_id: int, first_logprob: float | None) -> None:
-        await self.call(lambda e: e.complete_remote_kv(request_id, first_token_id, first_logprob))
+    async def complete_remote_kv(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: float | None,
+        first_top_logprobs: tuple[tuple[int, float], ...] = (),
+    ) -> None:
+        await self.call(lambda e: e.complete_remote_kv(request_id, first_token_id, first_logprob, first_top_logprobs))
 
     async def fallback_to_local_prefill(self, request_id: str) -> None:
         await self.call(lambda e: e.fallback_to_local_prefill(request_id))

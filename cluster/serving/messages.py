@@ -80,6 +80,8 @@ class PrefillResult:
     num_blocks_sent: int
     num_bytes: int
     transport: str
+    #: The first position's most likely (token id, logprob) pairs, when the request asked for ``top_logprobs``.
+    first_top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 # ---- stats replicas report -----------------------------------------------------------------

@@ -25,6 +25,7 @@ from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    alternative_strings,
     completion_choice,
     new_id,
     parse_body,
@@ -54,6 +55,11 @@ class _Line:
     logprobs: list[float] = field(default_factory=list)
     #: The sampled tokens' texts, for the logprobs body (filled when the line asked for logprobs).
     token_texts: list[str] = field(default_factory=list)
+    want_alternatives: bool = False
+    #: Per position, its most likely (token id, logprob) pairs, when the line asked for them ...
+    alternatives: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    #: ... and the same with the tokens' texts, for the logprobs body.
+    named_alternatives: list[list[tuple[str, float]]] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -117,6 +123,7 @@ def _parse_line(
     line.request = req
     line.return_token_ids = req.return_token_ids
     line.want_logprobs = params.logprobs
+    line.want_alternatives = params.top_logprobs > 0
     line.num_prompt_tokens = len(prompt_ids)
     return line, prompt_ids, params
 
@@ -152,6 +159,7 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
             line.logprobs if line.want_logprobs else None,
             stream=False,
             tokens=line.token_texts if line.want_logprobs else None,
+            alternatives=line.named_alternatives,
         )
     ]
     body["usage"] = usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens)
@@ -189,6 +197,7 @@ def run_batch(
             tokens += len(out.new_token_ids)
             line.text += out.new_text
             line.logprobs.extend(out.new_logprobs)
+            line.alternatives.extend(out.new_top_logprobs)
             line.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 line.finish_reason = out.finish_reason
@@ -201,6 +210,8 @@ def run_batch(
     for line in lines:
         if line.want_logprobs:
             line.token_texts = token_strings(engine.tokenizer, line.token_ids)
+        if line.want_alternatives:
+            line.named_alternatives = alternative_strings(engine.tokenizer, line.alternatives)
     for line in lines:
         outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
     failed = sum(1 for line in lines if line.error is not None)

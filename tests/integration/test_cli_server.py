@@ -60,25 +60,36 @@ def server(demo_model, tmp_path_factory):
         proc.stop()
 
 
-@pytest.fixture(scope="module")
-def run_batch_tokens(demo_model, tmp_path_factory):
-    """run-batch's greedy tokens for SHORT + LONG (the offline reference)."""
-    tmp = tmp_path_factory.mktemp("run-batch")
+def run_batch(demo_model, tmp, bodies: list[dict]) -> list[dict]:
+    """run-batch's choice for each completions body (the offline reference)."""
+    tmp.mkdir(parents=True, exist_ok=True)
     infile, outfile = tmp / "in.jsonl", tmp / "out.jsonl"
     with infile.open("w") as f:
-        for i, p in enumerate(SHORT + LONG):
-            body = {
-                "prompt": p,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            f.write(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-    assert cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model)]) == 0
-    return [
-        json.loads(line)["response"]["body"]["choices"][0]["token_ids"] for line in outfile.read_text().splitlines()
+        for i, b in enumerate(bodies):
+            line = {"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": {**b, "model": "demo"}}
+            f.write(json.dumps(line) + "\n")
+    cmd = [
+        "run-batch",
+        "-i",
+        str(infile),
+        "-o",
+        str(outfile),
+        "--model",
+        str(demo_model),
+        "--served-model-name",
+        "demo",
     ]
+    assert cli_main(cmd) == 0
+    records = [json.loads(line)["response"] for line in outfile.read_text().splitlines()]
+    assert all(r["status_code"] == 200 for r in records), records
+    return [r["body"]["choices"][0] for r in records]
+
+
+@pytest.fixture(scope="module")
+def run_batch_tokens(demo_model, tmp_path_factory):
+    """run-batch's greedy tokens for SHORT + LONG."""
+    choices = run_batch(demo_model, tmp_path_factory.mktemp("run-batch"), [body(p) for p in SHORT + LONG])
+    return [c["token_ids"] for c in choices]
 
 
 def body(prompt, **extra):
@@ -250,6 +261,58 @@ def test_n_and_several_prompts_on_the_engine(server, run_batch_tokens):
     got = [c["token_ids"] for c in resp.json()["choices"]]
     assert got == [run_batch_tokens[1], run_batch_tokens[len(SHORT) + 1]]
     assert resp.json()["usage"]["prompt_tokens"] == len(SHORT[1]) + len(LONG[1])
+
+
+def test_sampling_fields_over_http_equal_run_batch_local_and_remote(server, demo_model, tmp_path):
+    """logit_bias, min_tokens, the penalties, min_p and top logprobs through the openai SDK give run-batch's
+    tokens (and logprobs) on both routes (on REMOTE the prefill replica samples the first token, so it must apply
+    them too), and each has its effect: banned tokens never appear; min_tokens holds back the stop id the request
+    would otherwise stop on; the greedy token leads its position's alternatives."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # Prompts this module sends nowhere else: a prompt sent before would find its blocks cached and go LOCAL.
+    prompts = [[7 + i, 19, 35, 82] for i in range(5)] + [
+        [5 + (s * 37 + i * 11) % 500 for i in range(90)] for s in range(5)
+    ]
+    plain = [c["token_ids"] for c in run_batch(demo_model, tmp_path / "plain", [body(p) for p in prompts])]
+
+    def extra(case: int, plain_tokens: list[int]) -> dict:
+        return [
+            {"logit_bias": {str(t): -100 for t in set(plain_tokens)}},
+            {"stop_token_ids": [plain_tokens[0]], "ignore_eos": False, "min_tokens": 4},
+            {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+            {"temperature": 1.0, "seed": 5, "min_p": 0.2},
+            {"logprobs": 3},
+        ][case]
+
+    cases = [(p, extra(i % 5, plain[i])) for i, p in enumerate(prompts)]
+    want = run_batch(demo_model, tmp_path / "with-params", [body(p, **e) for p, e in cases])
+    for (prompt, e), plain_tokens, want_choice in zip(cases, plain, want, strict=True):
+        fields = {**body(prompt, **e)}
+        temperature, max_tokens = fields.pop("temperature"), fields.pop("max_tokens")
+        del fields["model"], fields["prompt"]
+        raw = api.completions.with_raw_response.create(
+            model="demo", prompt=prompt, max_tokens=max_tokens, temperature=temperature, extra_body=fields
+        )
+        assert raw.headers["x-shapeserve-route"] == ("local" if len(prompt) <= 32 else "remote")
+        choice = json.loads(raw.text)["choices"][0]
+        got = choice["token_ids"]
+        assert got == want_choice["token_ids"], e
+        if "logit_bias" in e:
+            assert not set(got) & set(plain_tokens)
+        if "min_tokens" in e:  # without it the output would end at its first token
+            assert len(got) > 4 and plain_tokens[0] not in got[:4]
+        if "logprobs" in e:
+            lp, offline = choice["logprobs"], want_choice["logprobs"]
+            assert lp["tokens"] == offline["tokens"]
+            assert lp["token_logprobs"] == pytest.approx(offline["token_logprobs"], abs=1e-4)
+            for position, offline_position, token, token_lp in zip(
+                lp["top_logprobs"], offline["top_logprobs"], lp["tokens"], lp["token_logprobs"], strict=True
+            ):
+                assert position.keys() == offline_position.keys() and 1 <= len(position) <= 3
+                assert list(position.values()) == pytest.approx(list(offline_position.values()), abs=1e-4)
+                assert max(position, key=position.get) == token and position[token] == pytest.approx(token_lp)
 
 
 def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):

@@ -89,10 +89,10 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path, capsys):
         json.dumps(
             {"custom_id": "chat-missing", "url": "/v1/chat/completions", "method": "POST", "body": {"max_tokens": 3}}
         ),
-        # the same checks as the server: a model this run does not serve, a field it would otherwise ignore,
-        # max_tokens past the context (never clipped)
+        # the same checks as the server: a model this run does not serve, a logit_bias token outside the
+        # vocabulary, max_tokens past the context (never clipped)
         json.dumps({"custom_id": "other-model", "url": "/v1/completions", "body": {"model": "gpt-4", "prompt": "hi"}}),
-        json.dumps({"custom_id": "bias", "url": "/v1/completions", "body": {"prompt": "hi", "logit_bias": {"5": 9}}}),
+        json.dumps({"custom_id": "bias", "url": "/v1/completions", "body": {"prompt": "hi", "logit_bias": {"900": 9}}}),
         json.dumps({"custom_id": "too-long", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 5000}}),
         json.dumps(
             {"custom_id": "by-dir", "url": "/v1/completions", "body": {"model": str(demo_model), "prompt": "hi"}}
@@ -110,7 +110,8 @@ def test_run_batch_bad_lines_get_error_records(demo_model, tmp_path, capsys):
     assert [r["custom_id"] for r in recs] == ids
     assert [r["response"]["status_code"] for r in recs] == [400, 400, 200, 400, 400, 404, 400, 400, 200, 400]
     assert "one prompt and n=1 per line" in recs[9]["error"]["message"]
-    assert "'gpt-4' does not exist" in recs[5]["error"]["message"] and "logit_bias" in recs[6]["error"]["message"]
+    assert "'gpt-4' does not exist" in recs[5]["error"]["message"]
+    assert "outside the vocabulary" in recs[6]["error"]["message"]
     assert "max_tokens" in recs[7]["error"]["message"]
     bar = capsys.readouterr().err  # the progress bar: every line done, with the output rate
     assert "run-batch: 100%" in bar and "10/10" in bar and "output tok/s" in bar

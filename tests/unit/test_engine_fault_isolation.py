@@ -24,10 +24,10 @@ def engine(demo_model):
 def _sampler_that_fails_on_poison(monkeypatch):
     real = model_runner.sample
 
-    def sample(logits, params, generators):
+    def sample(logits, params, *rest):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("sampling blew up")
-        return real(logits, params, generators)
+        return real(logits, params, *rest)
 
     monkeypatch.setattr(model_runner, "sample", sample)
 

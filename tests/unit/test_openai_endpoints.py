@@ -23,11 +23,13 @@ KEY = "sk-test-123"
 
 
 class EchoWorker:
-    """Answers every request with two tokens, ids 5 and 6."""
+    """Answers every request with two tokens, ids 5 and 6; keeps the last task it was given."""
 
     replica_id = "fake"
+    last_task: GenerateTask | None = None
 
     async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
+        self.last_task = task
         yield Started(Route.LOCAL, self.replica_id)
         n = len(task.prompt_token_ids)
         yield (RequestOutput(task.request_id, (5,), "a", (), False, None, n, 1, 0),)
@@ -37,9 +39,9 @@ class EchoWorker:
         pass
 
 
-def edge(demo_model, **config) -> httpx.AsyncClient:
+def edge(demo_model, worker: EchoWorker | None = None, **config) -> httpx.AsyncClient:
     cfg = parse_serve_config({"device": "cpu", **config})
-    server = OpenAIServer(cfg, str(demo_model), EchoWorker(), board=None, disaggregated=False)
+    server = OpenAIServer(cfg, str(demo_model), worker or EchoWorker(), board=None, disaggregated=False)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://edge")
 
 
@@ -142,10 +144,6 @@ def test_serve_flags_for_names_and_key(demo_model, monkeypatch):
 
 
 REFUSED_COMPLETION = {
-    "logit_bias": {"5": -100},
-    "min_tokens": 3,
-    "repetition_penalty": 1.2,
-    "min_p": 0.1,
     "best_of": 2,
     "suffix": "end",
     "response_format": {"type": "json_object"},
@@ -153,13 +151,10 @@ REFUSED_COMPLETION = {
     "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"],
     "echo": True,
-    "presence_penalty": 0.5,
-    "frequency_penalty": 0.5,
 }
 REFUSED_CHAT = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "required",
-    "top_logprobs": 2,
     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
 }
 
@@ -202,6 +197,55 @@ async def _fields_refused(demo_model):
         assert out.choices[0].text == "ab"
 
 
+SAMPLING_EXTRAS = {
+    "logit_bias": {"5": -100, "17": 2.5},
+    "min_tokens": 3,
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.25,
+}
+
+
+def test_sampling_fields_reach_the_engine_and_bad_values_are_refused_by_name(demo_model):
+    asyncio.run(_sampling_fields(demo_model))
+
+
+async def _sampling_fields(demo_model):
+    worker = EchoWorker()
+    async with edge(demo_model, worker, served_model_name="m") as client:
+        api = sdk(client)
+        await api.completions.create(model="m", prompt="hi", max_tokens=8, extra_body=SAMPLING_EXTRAS)
+        assert worker.last_task is not None
+        p = worker.last_task.params
+        assert (p.logit_bias, p.min_tokens, p.repetition_penalty, p.min_p) == (((5, -100.0), (17, 2.5)), 3, 1.2, 0.1)
+        assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.25)
+        await api.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=8,
+            logit_bias={"9": 1},
+            presence_penalty=1.5,
+            extra_body={"min_p": 0.5},
+        )
+        p = worker.last_task.params
+        assert (p.logit_bias, p.presence_penalty, p.min_p) == (((9, 1.0),), 1.5, 0.5)
+        for field, value in (
+            ("logit_bias", {"five": 1}),
+            ("logit_bias", {"5": 101}),
+            ("logit_bias", {"600": 1}),  # the demo vocabulary has 512 tokens
+            ("min_tokens", 9),  # above max_tokens
+            ("min_tokens", -1),
+            ("repetition_penalty", 0),
+            ("min_p", 2),
+            ("presence_penalty", 3),
+            ("frequency_penalty", -2.5),
+        ):
+            with pytest.raises(openai.BadRequestError) as e:
+                await api.completions.create(model="m", prompt="hi", max_tokens=8, extra_body={field: value})
+            assert e.value.body["param"] == field, (field, value)
+
+
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
 
 
@@ -239,7 +283,8 @@ async def _edge_enforces(demo_model, config):
 
 
 class LogprobWorker(EchoWorker):
-    """Two tokens with their logprobs, their text as the tokenizer decodes them (one engine step each)."""
+    """Two tokens with their logprobs, their text as the tokenizer decodes them (one engine step each); each
+    position's alternatives, when asked, are the sampled token then ids 302, 303, ... at logprob -2, -3, ..."""
 
     IDS, LOGPROBS = (300, 301), (-0.5, -1.5)
 
@@ -252,8 +297,10 @@ class LogprobWorker(EchoWorker):
         for i, (t, lp) in enumerate(zip(self.IDS, self.LOGPROBS, strict=True)):
             last = i == len(self.IDS) - 1
             lps = (lp,) if task.params.logprobs else ()
+            k = task.params.top_logprobs
+            top = (((t, lp), *((302 + j, -2.0 - j) for j in range(k - 1))),) if k else ()
             out = RequestOutput(
-                task.request_id, (t,), self.texts[i], lps, last, "length" if last else None, n, i + 1, 0
+                task.request_id, (t,), self.texts[i], lps, last, "length" if last else None, n, i + 1, 0, None, top
             )
             yield (out,)
 
@@ -270,23 +317,48 @@ async def _logprobs(demo_model):
     server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
         api = sdk(client)
-        out = await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=1)
+        alt = tok.decode([302])
+        out = await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=0)
         lp = out.choices[0].logprobs
         assert lp.tokens == [t0, t1] and lp.token_logprobs == [-0.5, -1.5] and lp.text_offset == [0, len(t0)]
+        assert lp.top_logprobs is None  # logprobs=0: the sampled tokens only
+        out = await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=2)
+        assert out.choices[0].logprobs.top_logprobs == [{t0: -0.5, alt: -2.0}, {t1: -1.5, alt: -2.0}]
         chunks = [
-            c async for c in await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=1, stream=True)
+            c async for c in await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=2, stream=True)
         ]
         streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
         assert [t for s in streamed for t in s.tokens] == [t0, t1]
         assert [o for s in streamed for o in s.text_offset] == [0, len(t0)]  # offsets run on across chunks
-        chat = await api.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True
-        )
+        assert [a for s in streamed for a in s.top_logprobs] == [{t0: -0.5, alt: -2.0}, {t1: -1.5, alt: -2.0}]
+        messages = [{"role": "user", "content": "hi"}]
+        chat = await api.chat.completions.create(model="m", messages=messages, max_tokens=2, logprobs=True)
         content = chat.choices[0].logprobs.content
-        assert [(c.token, c.logprob, c.bytes) for c in content] == [
-            (t0, -0.5, list(t0.encode())),
-            (t1, -1.5, list(t1.encode())),
+        assert [(c.token, c.logprob, c.bytes, c.top_logprobs) for c in content] == [
+            (t0, -0.5, list(t0.encode()), []),
+            (t1, -1.5, list(t1.encode()), []),
         ]
+        for stream in (False, True):
+            chat = await api.chat.completions.create(
+                model="m", messages=messages, max_tokens=2, logprobs=True, top_logprobs=3, stream=stream
+            )
+            if stream:
+                content = [c async for chunk in chat for c in (chunk.choices[0].logprobs.content or [])]
+            else:
+                content = chat.choices[0].logprobs.content
+            tops = [[(a.token, a.logprob, a.bytes) for a in c.top_logprobs] for c in content]
+            a3 = tok.decode([303])
+            assert tops == [
+                [(t0, -0.5, list(t0.encode())), (alt, -2.0, list(alt.encode())), (a3, -3.0, list(a3.encode()))],
+                [(t1, -1.5, list(t1.encode())), (alt, -2.0, list(alt.encode())), (a3, -3.0, list(a3.encode()))],
+            ], stream
+        with pytest.raises(openai.BadRequestError) as e:  # alternatives without logprobs: OpenAI refuses too
+            await api.chat.completions.create(model="m", messages=messages, max_tokens=2, top_logprobs=2)
+        assert e.value.body["param"] == "top_logprobs"
+        for too_many in ({"logprobs": 21}, {"logprobs": -1}):
+            with pytest.raises(openai.BadRequestError) as e:
+                await api.completions.create(model="m", prompt="hi", max_tokens=2, **too_many)
+            assert e.value.body["param"] == "logprobs"
         plain = await api.completions.create(model="m", prompt="hi", max_tokens=2)
         assert plain.choices[0].logprobs is None
 

@@ -8,7 +8,7 @@ import torch
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampler import sample
-from tests.helpers import engine_config
+from tests.helpers import History, engine_config
 
 
 def logits_row(values):
@@ -136,3 +136,22 @@ def test_seeded_request_continues_identically_after_remote_prefill(demo_model):
     while decode.has_unfinished_requests():
         tokens += [t for o in decode.step() for t in o.new_token_ids]
     assert tokens == local
+
+
+def test_top_logprobs_are_each_rows_most_likely_tokens_under_the_raw_distribution():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 50)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4),
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(temperature=0.5, logprobs=True, top_logprobs=2, logit_bias=((7, 50.0),)),
+    ]
+    out = sample(logits, params, [None] * 3, [History([1])] * 3)
+    raw = torch.log_softmax(logits, dim=-1)
+    values, ids = raw[0].topk(4)
+    assert [t for t, _ in out.top_logprobs[0]] == ids.tolist() == [out.token_ids[0], *ids.tolist()[1:]]
+    assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(values.tolist())
+    assert out.top_logprobs[1] == ()
+    # logit_bias forces token 7, but the alternatives (like the logprob) describe the model's own distribution
+    assert out.token_ids[2] == 7 and [t for t, _ in out.top_logprobs[2]] == raw[2].topk(2).indices.tolist()
+    assert out.logprobs[2] == pytest.approx(raw[2, 7].item())
