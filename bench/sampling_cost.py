@@ -1,4 +1,5 @@
-"""What logit_bias, min_tokens, min_p, the penalties and logprobs cost the engine, against the engine without them, in one run.
+"""What logit_bias, min_tokens, min_p, the penalties and logprobs cost the engine, against the engine without
+them, in one run.
 
     python -m bench.sampling_cost [--repeats 3] [--requests 32] [--output-tokens 64]
 
@@ -9,7 +10,7 @@ in each repeat so they share the machine's noise:
 - ``baseline``: the sampler with the logits processors bypassed (the engine as it was without them);
 - ``off``: the engine as shipped, no request using any of them (target: >= 0.98 x baseline);
 - one variant per feature, every request using it; sampled variants are compared with ``sampled``, the same
-  temperature and seed without the feature.
+  temperature and seed without the feature. Variants run in a new random order each repeat.
 
 Prints output tokens/s and each variant's ratio to its baseline, min / median / max over ``--repeats``.
 """
@@ -88,8 +89,11 @@ def main() -> int:
     table = variants(args.output_tokens)
     rates: dict[str, list[float]] = {name: [] for name in table}
     for r in range(args.repeats):
-        for name, (_, params) in table.items():
-            rates[name].append(tokens_per_s(engine, prompts, params, bypass=name == "baseline"))
+        # A new order each repeat: a variant that always ran first (or after the slowest) would carry that bias.
+        order = list(table)
+        random.Random(r).shuffle(order)
+        for name in order:
+            rates[name].append(tokens_per_s(engine, prompts, table[name][1], bypass=name == "baseline"))
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
     print(f"\n{args.requests} requests x {args.output_tokens} output tokens, {args.repeats} repeats")
     print(f"{'variant':28} {'tok/s median':>12} {'ratio min':>10} {'median':>8} {'max':>8}  (vs)")

@@ -214,6 +214,8 @@ class SamplingParams:
     logprobs: bool = False
     #: With ``logprobs``: how many of each position's most likely tokens to report with theirs.
     top_logprobs: int = 0
+    #: Report each prompt token's logprob (from the second on) and this many alternatives per position; None: no.
+    prompt_logprobs: int | None = None
     #: Do not count or check stop strings inside the returned text (OpenAI default: excluded).
     include_stop_str_in_output: bool = False
     #: OpenAI's: subtract ``presence_penalty`` once from every token already generated, and
@@ -287,6 +289,13 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}",
                 "top_logprobs",
+            )
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"prompt_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs!r}",
+                "prompt_logprobs",
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: set logprobs to true", "top_logprobs")

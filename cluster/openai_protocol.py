@@ -11,12 +11,16 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config import MAX_TOP_LOGPROBS, SamplingParams
 from cluster.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from cluster.scores import TokenScore
 
 #: Most choices one request may ask for: ``n`` x the number of prompts (each is a sequence in the engine).
 MAX_CHOICES = 64
@@ -46,7 +50,6 @@ _NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "chat_template": (),
     "chat_template_kwargs": ({},),
-    "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
@@ -81,6 +84,8 @@ class _CommonRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    #: vLLM's: each prompt token's logprob (from the second on) with this many alternatives per position.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Fields of the OpenAI API and vLLM's extensions that change the output and are not implemented yet: a request
     # that sets one to anything but its neutral value is refused with a 400 naming it, never silently ignored.
     response_format: Any = None
@@ -100,7 +105,6 @@ class _CommonRequest(BaseModel):
     continue_final_message: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -116,6 +120,13 @@ class _CommonRequest(BaseModel):
                 f"{name} is not supported by this server yet; remove it (ignoring it would change the "
                 "output you asked for)"
             )
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs cannot be streamed yet; send the request with stream false")
         return v
 
     @field_validator("n")
@@ -138,6 +149,9 @@ class _CommonRequest(BaseModel):
     def _top_logprobs(self) -> int:
         return 0
 
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's params; raises InvalidRequestError naming the bad field."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -153,6 +167,7 @@ class _CommonRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self._want_logprobs(),
             top_logprobs=self._top_logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -186,9 +201,9 @@ class CompletionRequest(_CommonRequest):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
+    def _echo_not_streamed(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("stream"):
+            raise ValueError("echo cannot be streamed yet; send the request with stream false")
         return v
 
     @field_validator("suffix")
@@ -231,6 +246,12 @@ class CompletionRequest(_CommonRequest):
 
     def _top_logprobs(self) -> int:
         return self.logprobs or 0
+
+    def _prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too, with the same number of alternatives."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
 
 #: The roles OpenAI's chat API defines; anything else is refused before it reaches a chat template.
@@ -416,8 +437,8 @@ def token_strings(tokenizer, token_ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in token_ids]
 
 
-#: Per position, its most likely tokens as (text, logprob), most likely first.
-NamedAlternatives = Sequence[Sequence[tuple[str, float]]]
+#: Per position, its most likely tokens as (text, logprob), most likely first (None: a position with none).
+NamedAlternatives = Sequence[Sequence[tuple[str, float]] | None]
 
 
 def alternative_strings(
@@ -428,8 +449,10 @@ def alternative_strings(
     return [[(next(texts), lp) for _, lp in position] for position in alternatives]
 
 
-def _by_text(position: Sequence[tuple[str, float]]) -> dict[str, float]:
+def _by_text(position: Sequence[tuple[str, float]] | None) -> dict[str, float] | None:
     """Completions' {text: logprob}: two tokens with the same text (e.g. both U+FFFD) keep the likelier one."""
+    if position is None:
+        return None
     named: dict[str, float] = {}
     for text, logprob in position:
         named.setdefault(text, logprob)
@@ -439,7 +462,7 @@ def _by_text(position: Sequence[tuple[str, float]]) -> dict[str, float]:
 def logprobs_body(
     kind: Literal["completion", "chat"],
     tokens: Sequence[str],
-    logprobs: Sequence[float],
+    logprobs: Sequence[float | None],
     text_offset: int = 0,
     alternatives: NamedAlternatives | None = None,
 ) -> dict[str, Any]:
@@ -461,7 +484,9 @@ def logprobs_body(
                 "token": t,
                 "logprob": lp,
                 "bytes": list(t.encode("utf-8")),
-                "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))} for a, alp in alts],
+                "top_logprobs": [
+                    {"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))} for a, alp in alts or ()
+                ],
             }
             for t, lp, alts in zip(tokens, logprobs, positions, strict=True)
         ]
@@ -473,14 +498,21 @@ def completion_choice(
     text: str,
     finish_reason: str | None,
     token_ids: list[int] | None,
-    logprobs: list[float] | None,
+    logprobs: Sequence[float | None] | None,
     stream: bool,
     tokens: list[str] | None = None,
     alternatives: NamedAlternatives | None = None,
+    echo: PromptEcho | None = None,
 ) -> dict[str, Any]:
     """One choice; ``tokens``: the sampled tokens' texts (``token_strings``), needed with ``logprobs``;
-    ``alternatives``: each position's most likely tokens, when the request asked for them."""
+    ``alternatives``: each position's most likely tokens, when the request asked for them; ``echo``: the prompt,
+    put before the completion (completions' ``echo``)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+    if echo is not None:
+        text = echo.text + text
+        if logprobs is not None:
+            tokens, logprobs = echo.tokens + (tokens or []), [*echo.logprobs, *logprobs]
+            alternatives = [*echo.alternatives, *alternatives] if alternatives is not None else None
     lp_body = logprobs_body(kind, tokens or [], logprobs, 0, alternatives) if logprobs is not None else None
     if kind == "completion":
         choice["text"] = text
@@ -492,6 +524,57 @@ def completion_choice(
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """What a completions choice shows of its prompt with ``echo``: its text and, when the request asked for
+    logprobs, its tokens' texts, logprobs (None for the first token, which nothing predicts) and alternatives."""
+
+    text: str
+    tokens: list[str]
+    logprobs: list[float | None]
+    alternatives: list[list[tuple[str, float]] | None]
+
+
+def prompt_echo(
+    tokenizer, prompt: str | list[int], prompt_ids: Sequence[int], scores: Sequence[TokenScore] | None
+) -> PromptEcho:
+    """``prompt``: as the request gave it (a text is echoed as sent, token ids as they decode); ``scores``: the
+    engine's ``prompt_logprobs`` for tokens 1.. (None: no logprobs asked)."""
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt_ids))
+    if scores is None:
+        return PromptEcho(text, [], [], [])
+    alternatives: list[list[tuple[str, float]] | None] = [None]
+    alternatives += alternative_strings(tokenizer, [s.top for s in scores])
+    return PromptEcho(text, token_strings(tokenizer, prompt_ids), [None, *(s.logprob for s in scores)], alternatives)
+
+
+def prompt_logprobs_body(
+    tokenizer, prompt_ids: Sequence[int], scores: Sequence[TokenScore]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token ``{token id: {logprob, rank,
+    decoded_token}}`` for the token itself and its position's alternatives."""
+    positions = list(zip(prompt_ids[1:], scores, strict=True))
+    named = [(token, *(alt for alt, _ in s.top)) for token, s in positions]
+    texts = iter(token_strings(tokenizer, [t for ids in named for t in ids]))  # decoded in one pass
+    body: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, s in positions:
+        entry = {str(token): {"logprob": s.logprob, "rank": s.rank, "decoded_token": next(texts)}}
+        for rank, (alt, alt_lp) in enumerate(s.top, start=1):
+            alt_text = next(texts)  # consumed even when the alternative is the token itself
+            entry.setdefault(str(alt), {"logprob": alt_lp, "rank": rank, "decoded_token": alt_text})
+        body.append(entry)
+    return body
+
+
+def lift_prompt_logprobs(kind: Literal["completion", "chat"], body: dict[str, Any]) -> None:
+    """Where vLLM puts ``prompt_logprobs``: in each completions choice (each has its prompt), at the top of a chat
+    response (its choices share one prompt)."""
+    if kind == "chat" and body["choices"] and "prompt_logprobs" in body["choices"][0]:
+        body["prompt_logprobs"] = body["choices"][0]["prompt_logprobs"]
+        for choice in body["choices"]:
+            choice.pop("prompt_logprobs", None)
 
 
 def response_envelope(kind: Literal["completion", "chat"], rid: str, model: str, stream: bool) -> dict[str, Any]:

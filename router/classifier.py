@@ -27,6 +27,8 @@ class RequestGeometry:
     max_tokens: int
     kv_format: str
     priority: int = 0
+    #: The request asks for its prompt's logprobs, which are computed where the prompt is prefilled.
+    scores_prompt: bool = False
 
     @property
     def uncached_tokens(self) -> int:
@@ -69,6 +71,8 @@ class RouteDecision:
 
 def route_class(g: RequestGeometry, cfg: ClassifierConfig, prefill_available: bool = True) -> tuple[Route, str]:
     """LOCAL or REMOTE by geometry alone (no admission)."""
+    if g.scores_prompt:
+        return Route.LOCAL, "prompt logprobs are computed on the decode replica, which prefills the prompt itself"
     if g.uncached_tokens <= cfg.local_max_uncached_tokens:
         return Route.LOCAL, f"{g.uncached_tokens} uncached prompt tokens <= {cfg.local_max_uncached_tokens}"
     if g.kv_format not in cfg.remote_kv_formats:

@@ -73,7 +73,16 @@ def plan_request(
         raise user_error(e) from None
     bs = config.block_size
     hashes = tuple(hash_full_blocks(prompt, bs))
-    geometry = RequestGeometry(len(prompt), cached_blocks(hashes) * bs, params.max_tokens, config.dtype, priority)
+    # A request scoring its prompt computes all of it (the engine does not read it from the prefix cache).
+    cached = 0 if params.prompt_logprobs is not None else cached_blocks(hashes) * bs
+    geometry = RequestGeometry(
+        len(prompt),
+        cached,
+        params.max_tokens,
+        config.dtype,
+        priority,
+        scores_prompt=params.prompt_logprobs is not None,
+    )
     decision = classify(geometry, config.classifier, config.admission, load)
     return RequestPlan(params, tuple(prompt), hashes, geometry, decision)
 

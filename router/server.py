@@ -44,8 +44,11 @@ from cluster.openai_protocol import (
     alternative_strings,
     completion_choice,
     error_body,
+    lift_prompt_logprobs,
     new_id,
     parse_body,
+    prompt_echo,
+    prompt_logprobs_body,
     response_envelope,
     token_strings,
     usage,
@@ -373,6 +376,7 @@ class OpenAIServer:
         try:
             body = response_envelope(kind, rid, model_name, stream=False)  # type: ignore[arg-type]
             body["choices"] = await choices.collect_all(runs)
+            lift_prompt_logprobs(kind, body)  # type: ignore[arg-type]
         except APIError as e:
             e.headers.update(headers)
             raise
@@ -497,6 +501,7 @@ class RequestRun:
     async def collect(self) -> dict[str, Any]:
         body = response_envelope(self.kind, self.rid, self.model_name, stream=False)  # type: ignore[arg-type]
         body["choices"] = [await self.collect_choice()]
+        lift_prompt_logprobs(self.kind, body)  # type: ignore[arg-type]
         body["usage"] = self._usage()
         return body
 
@@ -506,6 +511,7 @@ class RequestRun:
         ids: list[int] = []
         lps: list[float] = []
         alternatives: list[tuple[tuple[int, float], ...]] = []
+        prompt_scores = None
         finish = None
         async with aclosing(self.batches()) as batches:
             async for batch in batches:
@@ -514,18 +520,28 @@ class RequestRun:
                     ids.extend(out.new_token_ids)
                     lps.extend(out.new_logprobs)
                     alternatives.extend(out.new_top_logprobs)
+                    prompt_scores = prompt_scores or out.prompt_logprobs
                 finish = batch[-1].finish_reason
+        tok, want_logprobs = self.s.tokenizer, self.req._want_logprobs()
+        prompt_ids = self.plan.prompt_token_ids
+        echo = None
+        if self.kind == "completion" and self.req.echo:
+            prompt = self.req.prompts[self.index // self.req.n]
+            echo = prompt_echo(tok, prompt, prompt_ids, (prompt_scores or ()) if want_logprobs else None)
         choice = completion_choice(
             self.kind,  # type: ignore[arg-type]
             "".join(text),
             finish,
             ids if self.req.return_token_ids else None,
-            lps if self.req._want_logprobs() else None,
+            lps if want_logprobs else None,
             False,
-            token_strings(self.s.tokenizer, ids) if self.req._want_logprobs() else None,
-            alternative_strings(self.s.tokenizer, alternatives) if self.req._top_logprobs() else None,
+            token_strings(tok, ids) if want_logprobs else None,
+            alternative_strings(tok, alternatives) if self.req._top_logprobs() else None,
+            echo,
         )
         choice["index"] = self.index
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(tok, prompt_ids, prompt_scores or ())
         return choice
 
     def encoder(self, created: int) -> ChunkEncoder:

@@ -22,12 +22,13 @@ from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.linear import choose_matmul, pack_weights, use_matmul
 from cluster.engine.model_runner import ModelRunner, RunnerOutput, SampledToken
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.sampler import Alternatives, skip_one_draw
+from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError
 from cluster.kv_layout import KVLayout, num_blocks_for_memory
 from cluster.prompting import check_prompt
+from cluster.scores import Alternatives, TokenScore
 from cluster.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class RequestOutput:
     error: str | None = None
     #: Per new token, its position's most likely tokens (when the request asked for ``top_logprobs``).
     new_top_logprobs: tuple[Alternatives, ...] = ()
+    #: With the first output token of a request that asked for ``prompt_logprobs``: the scores of prompt
+    #: tokens 1, 2, ... (token 0 has no context to be scored in).
+    prompt_logprobs: tuple[TokenScore, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,10 @@ class LLMEngine:
     def reserve_remote_kv(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RemoteKVReservation | None:
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "a request asking for prompt_logprobs is prefilled where it decodes: route it LOCAL", "prompt_logprobs"
+            )
         req = self._admit(request_id, prompt_token_ids, params)
         if not self.scheduler.reserve_remote(req):
             del self.requests[request_id]
@@ -197,7 +205,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - whatever it was, it must not end the other requests
             sched_out, run_out, failed = self._run_one_by_one(sched_out, e)
             outputs += failed
-        return outputs + self._postprocess(sched_out, run_out.sampled)
+        return outputs + self._postprocess(sched_out, run_out)
 
     def _run_one_by_one(
         self, sched_out: SchedulerOutput, error: Exception
@@ -207,16 +215,18 @@ class LLMEngine:
         log.warning(
             "an engine step of %d requests failed (%r); running them one by one", len(sched_out.scheduled), error
         )
-        kept, sampled, failed = [], {}, []
+        kept, sampled, prompt_scores, failed = [], {}, {}, []
         for s in sched_out.scheduled:
             try:
-                sampled.update(self.runner.execute(SchedulerOutput((s,))).sampled)
+                alone = self.runner.execute(SchedulerOutput((s,)))
+                sampled.update(alone.sampled)
+                prompt_scores.update(alone.prompt_scores)
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed in the engine", s.request.request_id)
                 failed.append(self._fail(s.request, e))
             else:
                 kept.append(s)
-        return SchedulerOutput(tuple(kept), sched_out.preempted_ids), RunnerOutput(sampled), failed
+        return SchedulerOutput(tuple(kept), sched_out.preempted_ids), RunnerOutput(sampled, prompt_scores), failed
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """Ends ``req`` with an error and frees its blocks (held ones too: nobody can use them now)."""
@@ -237,8 +247,15 @@ class LLMEngine:
             error=f"{type(error).__name__}: {error}",
         )
 
-    def _postprocess(self, sched_out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+    def _postprocess(self, sched_out: SchedulerOutput, run_out: RunnerOutput) -> list[RequestOutput]:
         self.scheduler.update_after_step(sched_out)
+        for request_id, (first, scores) in run_out.prompt_scores.items():
+            req = self.requests[request_id]
+            # Chunks arrive in order; after a preemption the prompt is computed again: keep what was recorded.
+            already = len(req.prompt_scores) - first
+            if already >= 0:
+                req.prompt_scores.extend(scores[already:])
+        sampled = run_out.sampled
         fresh = []
         for s in sched_out.scheduled:
             req = s.request
@@ -283,6 +300,9 @@ class LLMEngine:
             new_text=new_text,
             new_logprobs=(logprob,) if logprob is not None else (),
             new_top_logprobs=(sampled.top_logprobs,) if req.params.top_logprobs else (),
+            prompt_logprobs=tuple(req.prompt_scores)
+            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1
+            else None,
             finished=status is not None,
             finish_reason=status.finish_reason if status is not None else None,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -342,6 +362,7 @@ class LLMEngine:
                 "finish_reason": outputs[rid][-1].finish_reason if outputs[rid] else None,
                 "logprobs": [lp for o in outputs[rid] for lp in o.new_logprobs],
                 "top_logprobs": [a for o in outputs[rid] for a in o.new_top_logprobs],
+                "prompt_logprobs": next((o.prompt_logprobs for o in outputs[rid] if o.prompt_logprobs), None),
             }
             for rid in ids
         ]

@@ -7,15 +7,19 @@ rows that sample, and returns a plain ``RunnerOutput``. It never changes request
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from cluster.engine.attention.base import AttentionBackend, AttentionMetadata
 from cluster.engine.model import LlamaForCausalLM
-from cluster.engine.sampler import Alternatives, sample
+from cluster.engine.sampler import sample, score_tokens
 from cluster.engine.scheduler import SchedulerOutput
+from cluster.scores import Alternatives, TokenScore
+
+#: Rows of logits computed at once when scoring a prompt (bounds the [rows, vocab] tensor of a long chunk).
+SCORE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class SampledToken:
 class RunnerOutput:
     #: request id -> what was sampled, for requests whose step reached their last token.
     sampled: dict[str, SampledToken]
+    #: request id -> (i, scores): for requests asking ``prompt_logprobs``, the scores of prompt tokens i + 1,
+    #: i + 2, ... that this step's chunk predicts.
+    prompt_scores: dict[str, tuple[int, list[TokenScore]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -93,12 +100,38 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         input_ids, positions, meta = self.prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        prompt_scores = self._score_prompts(out, hidden, meta)
         sampling = [i for i, s in enumerate(out.scheduled) if s.samples]
         if not sampling:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_scores)
         last_rows = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last_rows[sampling]])
         reqs = [out.scheduled[i].request for i in sampling]
         result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs, self.eos_token_ids)
         rows = zip(reqs, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
-        return RunnerOutput({r.request_id: SampledToken(t, lp, top) for r, t, lp, top in rows})
+        return RunnerOutput({r.request_id: SampledToken(t, lp, top) for r, t, lp, top in rows}, prompt_scores)
+
+    def _score_prompts(
+        self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> dict[str, tuple[int, list[TokenScore]]]:
+        """Scores of the prompt tokens each chunk predicts, for the requests that asked (only those pay: their
+        chunk's rows go through the LM head, in slices of SCORE_ROWS)."""
+        scores: dict[str, tuple[int, list[TokenScore]]] = {}
+        row_starts: list[int] | None = None
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            num_top = req.params.prompt_logprobs
+            first = req.num_computed_tokens  # the chunk's first position; it predicts token first + 1
+            end = min(first + s.num_tokens, req.num_prompt_tokens - 1)
+            if num_top is None or end <= first:
+                continue
+            if row_starts is None:
+                row_starts = meta.query_start_loc.tolist()
+            row0 = row_starts[i]
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : end + 1], device=hidden.device)
+            chunk: list[TokenScore] = []
+            for a in range(0, end - first, SCORE_ROWS):
+                b = min(a + SCORE_ROWS, end - first)
+                chunk += score_tokens(self.model.compute_logits(hidden[row0 + a : row0 + b]), targets[a:b], num_top)
+            scores[req.request_id] = (first, chunk)
+        return scores

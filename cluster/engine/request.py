@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.config import SamplingParams
+from cluster.scores import TokenScore
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +68,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    #: With ``params.prompt_logprobs``: the score of prompt token i + 1 at index i, filled as prefill goes.
+    prompt_scores: list[TokenScore] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

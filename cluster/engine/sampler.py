@@ -18,9 +18,7 @@ import torch
 
 from cluster.config import SamplingParams
 from cluster.engine.logits_processors import TokenHistory, process_logits
-
-#: A position's most likely tokens and their logprobs, most likely first.
-Alternatives = tuple[tuple[int, float], ...]
+from cluster.scores import Alternatives, TokenScore
 
 
 @dataclass(frozen=True)
@@ -68,6 +66,20 @@ def sample(
                 n = params[i].top_logprobs
                 top[i] = tuple(zip(row_ids[:n], row_values[:n], strict=True))
     return SamplerOutput(token_ids, logprobs, top)
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenScore]:
+    """logits [n, vocab] (row i predicts ``targets[i]``) -> each target's logprob and rank under the raw
+    distribution, with ``num_top`` alternatives per row."""
+    lps = torch.log_softmax(logits, dim=-1)
+    chosen = lps.gather(1, targets[:, None])
+    ranks = ((lps > chosen).sum(dim=-1) + 1).tolist()
+    if num_top:
+        values, ids = lps.topk(min(num_top, lps.shape[1]), dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [()] * len(ranks)
+    return [TokenScore(lp, r, t) for lp, r, t in zip(chosen.squeeze(1).tolist(), ranks, tops, strict=True)]
 
 
 def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:

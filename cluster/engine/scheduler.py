@@ -150,7 +150,8 @@ class Scheduler:
         # Admit new work only when nobody was preempted: blocks are short this step.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.num_computed_tokens == 0 and not req.block_ids:
+            # A request scoring its prompt computes every prompt position (a cached block has no logits).
+            if req.num_computed_tokens == 0 and not req.block_ids and req.params.prompt_logprobs is None:
                 hits = self._prefix_hits(req)
             else:
                 hits = []

@@ -25,15 +25,20 @@ from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    PromptEcho,
     alternative_strings,
     completion_choice,
+    lift_prompt_logprobs,
     new_id,
     parse_body,
+    prompt_echo,
+    prompt_logprobs_body,
     response_envelope,
     token_strings,
     usage,
 )
 from cluster.prompting import encode_chat, encode_prompt
+from cluster.scores import TokenScore
 
 _ENDPOINTS: dict[str, tuple[Literal["completion", "chat"], type[BaseModel]]] = {
     "/v1/completions": ("completion", CompletionRequest),
@@ -60,6 +65,12 @@ class _Line:
     alternatives: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     #: ... and the same with the tokens' texts, for the logprobs body.
     named_alternatives: list[list[tuple[str, float]]] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    #: The engine's ``prompt_logprobs`` (when the line asked for them, or for echo with logprobs).
+    prompt_scores: tuple[TokenScore, ...] = ()
+    #: What the choice shows of the prompt: echoed text and tokens, vLLM's ``prompt_logprobs`` body.
+    echo: PromptEcho | None = None
+    prompt_logprobs_body: list[Any] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -125,6 +136,7 @@ def _parse_line(
     line.want_logprobs = params.logprobs
     line.want_alternatives = params.top_logprobs > 0
     line.num_prompt_tokens = len(prompt_ids)
+    line.prompt_ids = prompt_ids
     return line, prompt_ids, params
 
 
@@ -160,8 +172,12 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
             stream=False,
             tokens=line.token_texts if line.want_logprobs else None,
             alternatives=line.named_alternatives,
+            echo=line.echo,
         )
     ]
+    if line.prompt_logprobs_body is not None:
+        body["choices"][0]["prompt_logprobs"] = line.prompt_logprobs_body
+        lift_prompt_logprobs(line.kind, body)
     body["usage"] = usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens)
     return {
         "id": rid,
@@ -198,6 +214,7 @@ def run_batch(
             line.text += out.new_text
             line.logprobs.extend(out.new_logprobs)
             line.alternatives.extend(out.new_top_logprobs)
+            line.prompt_scores = out.prompt_logprobs or line.prompt_scores
             line.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 line.finish_reason = out.finish_reason
@@ -212,6 +229,12 @@ def run_batch(
             line.token_texts = token_strings(engine.tokenizer, line.token_ids)
         if line.want_alternatives:
             line.named_alternatives = alternative_strings(engine.tokenizer, line.alternatives)
+        req = line.request
+        if isinstance(req, CompletionRequest) and req.echo:
+            scores = line.prompt_scores if line.want_logprobs else None
+            line.echo = prompt_echo(engine.tokenizer, req.prompts[0], line.prompt_ids, scores)
+        if isinstance(req, (CompletionRequest, ChatCompletionRequest)) and req.prompt_logprobs is not None:
+            line.prompt_logprobs_body = prompt_logprobs_body(engine.tokenizer, line.prompt_ids, line.prompt_scores)
     for line in lines:
         outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
     failed = sum(1 for line in lines if line.error is not None)

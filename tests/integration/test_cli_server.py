@@ -315,6 +315,29 @@ def test_sampling_fields_over_http_equal_run_batch_local_and_remote(server, demo
                 assert max(position, key=position.get) == token and position[token] == pytest.approx(token_lp)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, demo_model):
+    """How lm-eval scores a continuation: echo + logprobs + max_tokens 1. A prompt long enough to go REMOTE is
+    prefilled on the decode replica (that is where its logits are), and every prompt token's logprob matches
+    transformers' on the same weights."""
+    import openai
+    import torch
+    import transformers
+
+    prompt = [9 + (i * 53) % 500 for i in range(90)]  # sent nowhere else
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    raw = api.completions.with_raw_response.create(
+        model="demo", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    assert raw.headers["x-shapeserve-route"] == "local"
+    lp = raw.parse().choices[0].logprobs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(demo_model), torch_dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+    expected = [want[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt) + 1
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-3)
+
+
 def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):
     # Hostile bodies on both endpoints (bench/fuzz_http.py runs more): every answer is an allowed status with an
     # OpenAI error body, streams end with [DONE], and afterwards the server is healthy and a fixed greedy probe

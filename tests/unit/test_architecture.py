@@ -22,6 +22,7 @@ VOCABULARY = {
     "cluster.prompting",
     "cluster.tokenizer",
     "cluster.openai_protocol",
+    "cluster.scores",
 }
 
 #: layer -> the layers it may import (its own included). The composition root may import anything.

@@ -146,3 +146,21 @@ def test_run_batch_max_model_len_and_chat_template(demo_model, tmp_path):
     tok = load_tokenizer(str(demo_model))
     want = len(tok("<user>hi", add_special_tokens=False).input_ids)  # rendered with the file's template
     assert recs[2]["response"]["body"]["usage"]["prompt_tokens"] == want
+
+
+def test_run_batch_echoes_and_scores_prompts_as_the_server_does(demo_model, tmp_path):
+    prompt = [5 + (i * 7) % 500 for i in range(20)]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 1}
+    infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    infile.write_text(json.dumps({"custom_id": "e", "url": "/v1/completions", "body": body}) + "\n")
+    assert cli_main(["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(demo_model)]) == 0
+    choice = json.loads(outfile.read_text())["response"]["body"]["choices"][0]
+    engine = LLMEngine(engine_config(demo_model, num_blocks=64))
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=True, prompt_logprobs=2)
+    scores = engine.generate([prompt], params)[0]["prompt_logprobs"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 2 and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx([s.logprob for s in scores], abs=1e-5)
+    assert len(lp["top_logprobs"][1]) <= 2 and choice["text"].startswith(engine.tokenizer.decode(prompt))
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(prompt)
+    assert choice["prompt_logprobs"][1][str(prompt[1])]["rank"] == scores[0].rank

@@ -117,3 +117,32 @@ def test_engine_min_tokens_delays_eos_stop_ids_and_stop_strings(demo_model):
     assert len(later["token_ids"]) > 6
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("x", prompt, SamplingParams(logit_bias=((10**6, 1.0),)))
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_preemptions(demo_model):
+    """Every prompt token's logprob (from the second on) as transformers scores the same model, with a prompt
+    prefilled in chunks, never from the prefix cache, and again after preemptions; ranks and alternatives agree
+    with the same distribution."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(demo_model), torch_dtype=torch.float32)
+    prompt = [5 + (i * 37) % 500 for i in range(70)]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    engine = LLMEngine(engine_config(demo_model, num_blocks=64, budget=32, chunk=32))  # 3 chunks
+    engine.generate([prompt[:40]], SamplingParams(max_tokens=1))  # its blocks are cached: they must not be used
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    scores = engine.generate([prompt], params)[0]["prompt_logprobs"]
+    assert len(scores) == len(prompt) - 1
+    for i, s in enumerate(scores):
+        row, token = want[i], prompt[i + 1]
+        assert s.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert s.rank == int((row > row[token]).sum()) + 1
+        assert [t for t, _ in s.top] == row.topk(3).indices.tolist()
+    assert engine.generate([prompt], replace(params, prompt_logprobs=None))[0]["prompt_logprobs"] is None
+    # Blocks for about one request at a time: the two preempt each other and compute their prompts again.
+    tight = LLMEngine(engine_config(demo_model, num_blocks=9, budget=32, chunk=32))
+    other = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    again = tight.generate([prompt[:30], prompt], [other, replace(params, max_tokens=40)])[1]["prompt_logprobs"]
+    assert tight.scheduler.num_preemptions > 0
+    assert [s.logprob for s in again] == pytest.approx([s.logprob for s in scores], abs=1e-5)

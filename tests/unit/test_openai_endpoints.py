@@ -4,6 +4,7 @@ HTTP, in process: the edge's ASGI app in front of a stand-in decode worker (the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator
 
@@ -12,6 +13,7 @@ import openai
 import pytest
 
 from cluster.engine.llm_engine import RequestOutput
+from cluster.scores import TokenScore
 from cluster.errors import ConfigError
 from cluster.prompting import encode_chat
 from cluster.serving.config import parse_serve_config
@@ -150,7 +152,6 @@ REFUSED_COMPLETION = {
     "guided_json": {"type": "object"},
     "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"],
-    "echo": True,
 }
 REFUSED_CHAT = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
@@ -361,6 +362,71 @@ async def _logprobs(demo_model):
             assert e.value.body["param"] == "logprobs"
         plain = await api.completions.create(model="m", prompt="hi", max_tokens=2)
         assert plain.choices[0].logprobs is None
+
+
+class ScoringWorker(LogprobWorker):
+    """LogprobWorker's two tokens; with ``prompt_logprobs`` the first output carries prompt token i's score as
+    logprob -i, rank i, alternatives ids 400, 401, ... at -0.1, -0.2, ..."""
+
+    async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
+        first = True
+        k = task.params.prompt_logprobs
+        async for item in super().generate(task):
+            if first and isinstance(item, tuple) and k is not None:
+                ids = task.prompt_token_ids
+                scores = tuple(
+                    TokenScore(-float(i), i, tuple((400 + j, -0.1 * (j + 1)) for j in range(k)))
+                    for i in range(1, len(ids))
+                )
+                item = (dataclasses.replace(item[0], prompt_logprobs=scores),)
+                first = False
+            yield item
+
+
+def test_echo_and_prompt_logprobs(demo_model):
+    asyncio.run(_echo(demo_model))
+
+
+async def _echo(demo_model):
+    tok = load_tokenizer(str(demo_model))
+    worker = ScoringWorker(tok)
+    t0, t1 = worker.texts
+    cfg = parse_serve_config({"device": "cpu", "served_model_name": "m"})
+    server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
+        api = sdk(client)
+        prompt = [20, 21, 22]
+        plain = await api.completions.create(model="m", prompt="hello", max_tokens=2, echo=True)
+        assert plain.choices[0].text == "hello" + t0 + t1 and plain.choices[0].logprobs is None
+        out = await api.completions.create(model="m", prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+        choice = out.choices[0]
+        names = [tok.decode([t]) for t in prompt]
+        assert choice.text == tok.decode(prompt) + t0 + t1
+        lp = choice.logprobs
+        assert lp.tokens == [*names, t0, t1]
+        assert lp.token_logprobs == [None, -1.0, -2.0, -0.5, -1.5]
+        alt = tok.decode([400])
+        assert lp.top_logprobs == [None, {alt: -0.1}, {alt: -0.1}, {t0: -0.5}, {t1: -1.5}]
+        assert lp.text_offset[:3] == [0, len(names[0]), len(names[0]) + len(names[1])]
+        assert (choice.model_extra or {}).get("prompt_logprobs") is None  # asked only through echo
+        raw = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2}
+        )
+        body = raw.json()["choices"][0]["prompt_logprobs"]
+        assert body[0] is None and body[1]["21"] == {"logprob": -1.0, "rank": 1, "decoded_token": names[1]}
+        assert body[2]["401"] == {"logprob": pytest.approx(-0.2), "rank": 2, "decoded_token": tok.decode([401])}
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+        )
+        chat_body = chat.json()
+        # vLLM's place for it in chat: the response, not the choice
+        assert chat_body["prompt_logprobs"][0] is None and "prompt_logprobs" not in chat_body["choices"][0]
+        for field, extra in (("echo", {"echo": True}), ("prompt_logprobs", {"prompt_logprobs": 1})):
+            r = await client.post(
+                "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True, **extra}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
 class PromptWorker(EchoWorker):

@@ -34,7 +34,7 @@ def test_wrong_type_names_field():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("n", 65), ("n", 0), ("echo", True), ("presence_penalty", 2.5), ("prompt", "")]
+    "field,value", [("n", 65), ("n", 0), ("logprobs", 21), ("presence_penalty", 2.5), ("prompt", "")]
 )
 def test_unsupported_values_are_400(field, value):
     kw = {"model": "m", "prompt": "hi", field: value}
