@@ -10,7 +10,11 @@ in each repeat so they share the machine's noise:
 - ``baseline``: the sampler with the logits processors bypassed (the engine as it was without them);
 - ``off``: the engine as shipped, no request using any of them (target: >= 0.98 x baseline);
 - one variant per feature, every request using it; sampled variants are compared with ``sampled``, the same
-  temperature and seed without the feature. Variants run in a new random order each repeat.
+  temperature and seed without the feature;
+- the sampler against the one it replaced (an exponential race, one random number per vocabulary entry, and a
+  full sort for top-k / top-p), kept in this file as ``exponential_race``: plain sampling and top_k 50.
+
+Variants run in a new random order each repeat.
 
 Prints output tokens/s and each variant's ratio to its baseline, min / median / max over ``--repeats``.
 """
@@ -23,7 +27,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from bench.engine_throughput import BENCH_SPEC
 from bench.server_process import machine_line
@@ -32,22 +36,56 @@ from cluster.engine import sampler
 from cluster.tools.demo_model import ensure_demo_model
 
 
+def exponential_race(logits, params, generators, greedy):
+    """The sampler this engine had before the inverse-CDF one (kept here as the baseline it is measured against):
+    temperature, min_p, top-k / top-p on a full sort, then argmax(p / q) with q ~ Exp(1) drawn per vocabulary
+    entry (and again from a seeded request's own generator)."""
+    import torch
+
+    vocab = logits.shape[1]
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+    scaled = logits / temps[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        log_min_p = torch.tensor([p.min_p for p in params]).log()
+        scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p[:, None], float("-inf"))
+    top_ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
+    top_ps = torch.tensor([p.top_p for p in params])
+    if (top_ks < vocab).any() or (top_ps < 1.0).any():
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        drop = torch.arange(vocab)[None, :] >= top_ks[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]
+        drop[:, 0] = False
+        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scaled, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None and not greedy[i]:
+            noise[i].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+
+
 @contextmanager
-def processors_bypassed():
-    real = sampler.process_logits
-    sampler.process_logits = lambda logits, *_: logits
+def patched(kind: str | None):
+    """``bypass``: the logits processors skipped (the engine without them); ``race``: the previous sampler."""
+    real_process, real_random = sampler.process_logits, sampler._sample_random
+    if kind == "bypass":
+        sampler.process_logits = lambda logits, *_: logits
+    elif kind == "race":
+        sampler._sample_random = exponential_race
     try:
         yield
     finally:
-        sampler.process_logits = real
+        sampler.process_logits, sampler._sample_random = real_process, real_random
 
 
-def variants(output_tokens: int) -> dict[str, tuple[str, SamplingParams]]:
-    """name -> (the variant it is compared with, params of every request)."""
+def variants(output_tokens: int) -> dict[str, tuple[str, SamplingParams, str | None]]:
+    """name -> (the variant it is compared with, params of every request, what is patched for it)."""
     greedy = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     sampled = replace(greedy, temperature=1.0, seed=1)
-    return {
-        "baseline": ("baseline", greedy),
+    table = {
+        "baseline": ("baseline", greedy, "bypass"),
         "off": ("baseline", greedy),
         "presence+frequency": ("baseline", replace(greedy, presence_penalty=0.5, frequency_penalty=0.5)),
         "repetition": ("baseline", replace(greedy, repetition_penalty=1.2)),
@@ -57,18 +95,41 @@ def variants(output_tokens: int) -> dict[str, tuple[str, SamplingParams]]:
         "logprobs + top_logprobs 5": ("baseline", replace(greedy, logprobs=True, top_logprobs=5)),
         "sampled": ("sampled", sampled),
         "sampled + min_p 0.1": ("sampled", replace(sampled, min_p=0.1)),
+        "sampled, previous sampler": ("sampled, previous sampler", sampled, "race"),
+        "sampled vs previous": ("sampled, previous sampler", sampled),
+        "top_k 50, previous sampler": ("top_k 50, previous sampler", replace(sampled, top_k=50), "race"),
+        "top_k 50 vs previous": ("top_k 50, previous sampler", replace(sampled, top_k=50)),
     }
+    return {name: (v[0], v[1], v[2] if len(v) > 2 else None) for name, v in table.items()}
 
 
-def tokens_per_s(engine, prompts: list[list[int]], params: SamplingParams, bypass: bool) -> float:
+def tokens_per_s(engine, prompts: list[list[int]], params: SamplingParams, patch: str | None) -> float:
     t0 = time.perf_counter()
-    if bypass:
-        with processors_bypassed():
-            outs = engine.generate(prompts, params)
-    else:
+    with patched(patch):
         outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     return sum(len(o["token_ids"]) for o in outs) / elapsed
+
+
+def off_path_us_per_step(batch: int, vocab: int, repeats: int = 2000) -> float:
+    """CPU time of what every step now runs when no request asks for any feature: the logits processors' check
+    and the sampler's logprob / alternative bookkeeping, on a batch of plain greedy requests."""
+    import torch
+
+    logits = torch.randn(batch, vocab)
+    params = [SamplingParams(temperature=0.0)] * batch
+    histories = [_History([1, 2, 3], [4]) for _ in range(batch)]
+    t0 = time.process_time()
+    for _ in range(repeats):
+        sampler.process_logits(logits, params, histories, (2,))
+        [i for i, p in enumerate(params) if p.logprobs]  # noqa: B018 - the sampler's logprobs check
+    return (time.process_time() - t0) / repeats * 1e6
+
+
+@dataclass
+class _History:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 def main() -> int:
@@ -93,11 +154,19 @@ def main() -> int:
         order = list(table)
         random.Random(r).shuffle(order)
         for name in order:
-            rates[name].append(tokens_per_s(engine, prompts, table[name][1], bypass=name == "baseline"))
+            _, params, patch = table[name]
+            rates[name].append(tokens_per_s(engine, prompts, params, patch))
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
+    off_us = off_path_us_per_step(args.requests, BENCH_SPEC.vocab_size)
+    token_us = 1e6 / statistics.median(rates["baseline"])
+    print(
+        f"\noff path, measured alone: {off_us:.1f} us of CPU per step of {args.requests} requests = "
+        f"{100 * off_us / (token_us * args.requests):.3f}% of the baseline's {token_us * args.requests / 1e3:.1f} ms "
+        "per step (target <= 2%)"
+    )
     print(f"\n{args.requests} requests x {args.output_tokens} output tokens, {args.repeats} repeats")
     print(f"{'variant':28} {'tok/s median':>12} {'ratio min':>10} {'median':>8} {'max':>8}  (vs)")
-    for name, (base, _) in table.items():
+    for name, (base, _, _) in table.items():
         ratios = [v / b for v, b in zip(rates[name], rates[base], strict=True)]
         print(
             f"{name:28} {statistics.median(rates[name]):12.1f} {min(ratios):10.3f} {statistics.median(ratios):8.3f} "

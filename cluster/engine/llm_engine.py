@@ -182,7 +182,7 @@ class LLMEngine:
         req = self.requests[request_id]
         if req.generator is not None and not req.params.greedy:
             # The prefill worker drew the first token from the same seed: continue after that draw.
-            skip_one_draw(req.generator, self.model_config.vocab_size)
+            skip_one_draw(req.generator)
         self.scheduler.complete_remote(req, first_token_id)
         if first_logprob is not None:
             req.output_logprobs.append(first_logprob)

@@ -155,3 +155,45 @@ def test_top_logprobs_are_each_rows_most_likely_tokens_under_the_raw_distributio
     # logit_bias forces token 7, but the alternatives (like the logprob) describe the model's own distribution
     assert out.token_ids[2] == 7 and [t for t, _ in out.top_logprobs[2]] == raw[2].topk(2).indices.tolist()
     assert out.logprobs[2] == pytest.approx(raw[2, 7].item())
+
+
+def _top_p_reference(logits_row: torch.Tensor, top_p: float) -> dict[int, float]:
+    """The top-p distribution by a full sort (the definition): token -> probability."""
+    probs = torch.softmax(logits_row.double(), -1)
+    values, order = probs.sort(descending=True)
+    keep = (values.cumsum(-1) - values) < top_p
+    keep[0] = True
+    kept = values[keep] / values[keep].sum()
+    return dict(zip(order[keep].tolist(), kept.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_top_p_over_a_large_vocabulary_draws_the_exact_distribution(peaked):
+    """Peaked: the cut lies among the first candidates (no sort); flat: beyond them (the full-sort fallback).
+    Either way the support is the definition's and the frequencies follow its probabilities."""
+    torch.manual_seed(5)
+    vocab, n = 1000, 20000
+    row = torch.randn(vocab) * (4.0 if peaked else 0.5)
+    want = _top_p_reference(row, 0.8)
+    assert (len(want) < 256) == peaked
+    out = sample(row.repeat(n, 1), [SamplingParams(temperature=1.0, top_p=0.8)] * n, [None] * n)
+    counts: dict[int, int] = {}
+    for t in out.token_ids:
+        counts[t] = counts.get(t, 0) + 1
+    assert set(counts) <= set(want)
+    for token, p in sorted(want.items(), key=lambda kv: -kv[1])[:5]:
+        assert abs(counts.get(token, 0) / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, token
+
+
+def test_seeded_draws_continue_where_a_skipped_draw_left_off():
+    """A decode worker continuing a seeded request sampled elsewhere skips exactly one draw (skip_one_draw)."""
+    from cluster.engine.sampler import skip_one_draw
+
+    torch.manual_seed(3)
+    logits = torch.randn(2, 300)
+    p = SamplingParams(temperature=1.0, seed=99)
+    here = torch.Generator().manual_seed(99)
+    both = [sample(logits[i : i + 1], [p], [here]).token_ids[0] for i in range(2)]
+    there = torch.Generator().manual_seed(99)
+    skip_one_draw(there)
+    assert sample(logits[1:2], [p], [there]).token_ids[0] == both[1]
