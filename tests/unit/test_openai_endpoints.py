@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from cluster.engine.llm_engine import RequestOutput
-from cluster.scores import TokenScore
 from cluster.errors import ConfigError
 from cluster.prompting import encode_chat
+from cluster.scores import TokenScore
 from cluster.serving.config import parse_serve_config
 from cluster.serving.messages import GenerateTask, Route, Started
 from cluster.tokenizer import load_tokenizer
