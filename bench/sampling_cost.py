@@ -84,23 +84,22 @@ def variants(output_tokens: int) -> dict[str, tuple[str, SamplingParams, str | N
     """name -> (the variant it is compared with, params of every request, what is patched for it)."""
     greedy = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     sampled = replace(greedy, temperature=1.0, seed=1)
-    table = {
+    return {
         "baseline": ("baseline", greedy, "bypass"),
-        "off": ("baseline", greedy),
-        "presence+frequency": ("baseline", replace(greedy, presence_penalty=0.5, frequency_penalty=0.5)),
-        "repetition": ("baseline", replace(greedy, repetition_penalty=1.2)),
-        "logit_bias (16 tokens)": ("baseline", replace(greedy, logit_bias=tuple((t, -5.0) for t in range(16)))),
-        "min_tokens (= max_tokens)": ("baseline", replace(greedy, min_tokens=output_tokens, ignore_eos=False)),
-        "logprobs": ("baseline", replace(greedy, logprobs=True)),
-        "logprobs + top_logprobs 5": ("baseline", replace(greedy, logprobs=True, top_logprobs=5)),
-        "sampled": ("sampled", sampled),
-        "sampled + min_p 0.1": ("sampled", replace(sampled, min_p=0.1)),
+        "off": ("baseline", greedy, None),
+        "presence+frequency": ("baseline", replace(greedy, presence_penalty=0.5, frequency_penalty=0.5), None),
+        "repetition": ("baseline", replace(greedy, repetition_penalty=1.2), None),
+        "logit_bias (16 tokens)": ("baseline", replace(greedy, logit_bias=tuple((t, -5.0) for t in range(16))), None),
+        "min_tokens (= max_tokens)": ("baseline", replace(greedy, min_tokens=output_tokens, ignore_eos=False), None),
+        "logprobs": ("baseline", replace(greedy, logprobs=True), None),
+        "logprobs + top_logprobs 5": ("baseline", replace(greedy, logprobs=True, top_logprobs=5), None),
+        "sampled": ("sampled", sampled, None),
+        "sampled + min_p 0.1": ("sampled", replace(sampled, min_p=0.1), None),
         "sampled, previous sampler": ("sampled, previous sampler", sampled, "race"),
-        "sampled vs previous": ("sampled, previous sampler", sampled),
+        "sampled vs previous": ("sampled, previous sampler", sampled, None),
         "top_k 50, previous sampler": ("top_k 50, previous sampler", replace(sampled, top_k=50), "race"),
-        "top_k 50 vs previous": ("top_k 50, previous sampler", replace(sampled, top_k=50)),
+        "top_k 50 vs previous": ("top_k 50, previous sampler", replace(sampled, top_k=50), None),
     }
-    return {name: (v[0], v[1], v[2] if len(v) > 2 else None) for name, v in table.items()}
 
 
 def tokens_per_s(engine, prompts: list[list[int]], params: SamplingParams, patch: str | None) -> float:
