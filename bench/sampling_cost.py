@@ -1,4 +1,4 @@
-"""What logit_bias, min_tokens, min_p, the penalties and logprobs cost the engine, against the engine without
+"""What logit_bias, min_tokens, min_p, the penalties, logprobs and grammars cost the engine, against the engine without
 them, in one run.
 
     python -m bench.sampling_cost [--repeats 3] [--requests 32] [--output-tokens 64]
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from bench.engine_throughput import BENCH_SPEC
 from bench.server_process import machine_line
-from cluster.config import CacheConfig, EngineConfig, SamplingParams
+from cluster.config import CacheConfig, EngineConfig, SamplingParams, StructuredOutput
 from cluster.engine import sampler
 from cluster.tools.demo_model import ensure_demo_model
 
@@ -93,6 +93,12 @@ def variants(output_tokens: int) -> dict[str, tuple[str, SamplingParams, str | N
         "min_tokens (= max_tokens)": ("baseline", replace(greedy, min_tokens=output_tokens, ignore_eos=False), None),
         "logprobs": ("baseline", replace(greedy, logprobs=True), None),
         "logprobs + top_logprobs 5": ("baseline", replace(greedy, logprobs=True, top_logprobs=5), None),
+        # A pattern longer than max_tokens: every step of every request runs under the grammar mask.
+        "grammar (regex mask)": (
+            "baseline",
+            replace(greedy, structured=StructuredOutput("regex", "[a-z ]{2000}")),
+            None,
+        ),
         "sampled": ("sampled", sampled, None),
         "sampled + min_p 0.1": ("sampled", replace(sampled, min_p=0.1), None),
         "sampled, previous sampler": ("sampled, previous sampler", sampled, "race"),

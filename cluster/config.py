@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError
 
@@ -199,6 +199,17 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output, enforced token by token (``cluster.grammar`` compiles it).
+
+    ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON object; ``spec``
+    empty), ``regex`` (``spec``: the pattern) or ``choice`` (``spec``: a JSON list of the allowed strings)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice"]
+    spec: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. ``validate()`` raises InvalidRequestError."""
 
@@ -231,6 +242,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: Drop tokens whose probability is below ``min_p`` x the most likely token's; 0 is off.
     min_p: float = 0.0
+    #: The output must match this (response_format / guided_*); the request stops when it is complete.
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

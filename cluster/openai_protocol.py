@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.config import MAX_TOP_LOGPROBS, SamplingParams
+from cluster.config import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from cluster.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -26,6 +26,28 @@ if TYPE_CHECKING:
 MAX_CHOICES = 64
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with the schema under "schema"')
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -33,13 +55,9 @@ class StreamOptions(BaseModel):
 
 #: Field -> the values that ask for nothing (and so are accepted) of the fields refused by ``_CommonRequest``.
 _NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "best_of": (1,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
     "functions": ([],),  # the pre-tools function calling
@@ -86,15 +104,16 @@ class _CommonRequest(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     #: vLLM's: each prompt token's logprob (from the second on) with this many alternatives per position.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Structured output: OpenAI's response_format, or one of vLLM's guided_* extras (at most one constraint).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     # Fields of the OpenAI API and vLLM's extensions that change the output and are not implemented yet: a request
     # that sets one to anything but its neutral value is refused with a 400 naming it, never silently ignored.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     best_of: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
     functions: Any = None
@@ -152,6 +171,31 @@ class _CommonRequest(BaseModel):
     def _prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
+    def _structured(self) -> StructuredOutput | None:
+        """The one output constraint the request sets (InvalidRequestError when it sets several)."""
+        found: list[tuple[str, StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            found.append(("response_format", StructuredOutput("json_schema", _canonical(rf.json_schema.json_schema))))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise InvalidRequestError("guided_json must be a JSON schema (an object)", "guided_json") from None
+            found.append(("guided_json", StructuredOutput("json_schema", _canonical(schema))))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", StructuredOutput("choice", json.dumps(self.guided_choice))))
+        if len(found) > 1:
+            names = " and ".join(name for name, _ in found)
+            raise InvalidRequestError(f"{names} each constrain the output; send one of them", found[1][0])
+        return found[0][1] if found else None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's params; raises InvalidRequestError naming the bad field."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -168,6 +212,7 @@ class _CommonRequest(BaseModel):
             logprobs=self._want_logprobs(),
             top_logprobs=self._top_logprobs(),
             prompt_logprobs=self._prompt_logprobs(),
+            structured=self._structured(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -175,6 +220,11 @@ class _CommonRequest(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             min_p=self.min_p,
         ).validate()
+
+
+def _canonical(schema: Any) -> str:
+    """A schema as JSON text with sorted keys: equal schemas share one compiled grammar."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -24,8 +24,10 @@ from cluster.engine.model_runner import ModelRunner, RunnerOutput, SampledToken
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.engine.structured import GrammarMatchers, consume
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError
+from cluster.grammar import check_structured
 from cluster.kv_layout import KVLayout, num_blocks_for_memory
 from cluster.prompting import check_prompt
 from cluster.scores import Alternatives, TokenScore
@@ -83,6 +85,7 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             advise_dtype(dtype, self.matmul.fn)
         self.tokenizer = load_tokenizer(config.model)
+        self.grammars = GrammarMatchers(self.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -109,6 +112,7 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError if the request can never run here. Does not modify the engine."""
         params.validate().check_vocab(self.model_config.vocab_size)
+        check_structured(params.structured)
         check_prompt(prompt_token_ids, params.max_tokens, self.model_config.vocab_size, self.max_model_len)
         blocks = -(-(len(prompt_token_ids) + params.max_tokens) // self.kv_layout.block_size)
         if blocks > self.kv_layout.num_blocks:
@@ -129,6 +133,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, hold_kv_on_finish=hold_kv_on_finish)
+        if params.structured is not None:
+            req.matcher = self.grammars.matcher(params.structured)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         return req
@@ -282,7 +288,10 @@ class LLMEngine:
         detok = self._detok[req.request_id]
         before = len(detok.text)
         detok.push([token])
+        grammar_complete = req.matcher is not None and consume(req.matcher, token)
         status = self._stop_status(req, token)
+        if status is None and grammar_complete:
+            status = RequestStatus.FINISHED_STOPPED  # nothing but EOS could follow
         stop_at = self._find_stop_string(req, detok.text, before)
         if stop_at is not None:
             detok.text, status = detok.text[:stop_at], RequestStatus.FINISHED_STOPPED

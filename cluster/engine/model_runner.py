@@ -107,7 +107,14 @@ class ModelRunner:
         last_rows = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last_rows[sampling]])
         reqs = [out.scheduled[i].request for i in sampling]
-        result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs, self.eos_token_ids)
+        result = sample(
+            logits,
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            reqs,
+            self.eos_token_ids,
+            [r.matcher for r in reqs],
+        )
         rows = zip(reqs, result.token_ids, result.logprobs, result.top_logprobs, strict=True)
         return RunnerOutput({r.request_id: SampledToken(t, lp, top) for r, t, lp, top in rows}, prompt_scores)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +71,8 @@ class Request:
     generator: torch.Generator | None = None
     #: With ``params.prompt_logprobs``: the score of prompt token i + 1 at index i, filled as prefill goes.
     prompt_scores: list[TokenScore] = field(default_factory=list)
+    #: With ``params.structured``: its llguidance matcher, advanced past every output token.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cluster.config import SamplingParams
 from cluster.engine.logits_processors import TokenHistory, process_logits
+from cluster.engine.structured import mask_logits
 from cluster.scores import Alternatives, TokenScore
 
 
@@ -39,13 +41,18 @@ def sample(
     generators: list[torch.Generator | None],
     histories: Sequence[TokenHistory] = (),
     stop_token_ids: Sequence[int] = (),
+    matchers: Sequence[Any] = (),
 ) -> SamplerOutput:
     """logits: [batch, vocab] float32, one row per request. Does not modify ``logits``.
 
     ``histories``: each row's tokens so far, needed when a request uses penalties or min_tokens;
-    ``stop_token_ids``: the model's EOS ids, which min_tokens holds back."""
+    ``stop_token_ids``: the model's EOS ids, which min_tokens holds back; ``matchers``: each row's grammar
+    matcher or None (structured output), applied last."""
     batch, vocab = logits.shape
     processed = process_logits(logits, params, histories, stop_token_ids)
+    if any(m is not None for m in matchers):
+        processed = processed.clone() if processed is logits else processed
+        mask_logits(processed, matchers)
     greedy = [p.greedy for p in params]
     if all(greedy):
         chosen = processed.argmax(dim=-1)

@@ -8,6 +8,7 @@ that goes away frees its blocks; ``shapeserve bench`` counts what the server's m
 from __future__ import annotations
 
 import json
+import random
 import socket
 import sys
 import time
@@ -336,6 +337,44 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, demo_
     expected = [want[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
     assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt) + 1
     assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-3)
+
+
+def test_structured_output_through_the_sdk_on_both_routes(server):
+    """response_format json_schema (chat and completions) validates on LOCAL and REMOTE prompts (REMOTE: the
+    prefill replica's first token is constrained too, and the decode replica's matcher continues after it);
+    guided_choice answers one of the choices; a bad schema is a 400 naming response_format."""
+    import jsonschema
+    import openai
+
+    from tests.unit.test_structured_output import random_schema
+
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    rng = random.Random(11)
+    for i in range(4):
+        schema = random_schema(rng)
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        prompt = [11 + i, 21, 37, 84] if i % 2 == 0 else [6 + (i * 41 + j * 13) % 500 for j in range(90)]
+        raw = api.completions.with_raw_response.create(
+            model="demo", prompt=prompt, max_tokens=150, temperature=0, extra_body={"response_format": fmt}
+        )
+        assert raw.headers["x-shapeserve-route"] == ("local" if i % 2 == 0 else "remote")
+        choice = raw.parse().choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), schema)
+    chat = api.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "pick"}],
+        max_tokens=20,
+        extra_body={"guided_choice": ["alpha", "beta gamma"]},
+    )
+    assert chat.choices[0].message.content in ("alpha", "beta gamma")
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "frob"}}},
+        )
+    assert e.value.body["param"] == "response_format"
 
 
 def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):

@@ -23,6 +23,7 @@ VOCABULARY = {
     "cluster.tokenizer",
     "cluster.openai_protocol",
     "cluster.scores",
+    "cluster.grammar",
 }
 
 #: layer -> the layers it may import (its own included). The composition root may import anything.

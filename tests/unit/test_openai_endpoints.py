@@ -148,15 +148,12 @@ def test_serve_flags_for_names_and_key(demo_model, monkeypatch):
 REFUSED_COMPLETION = {
     "best_of": 2,
     "suffix": "end",
-    "response_format": {"type": "json_object"},
-    "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+",
-    "guided_choice": ["yes", "no"],
+    "guided_grammar": "start: a",
+    "structured_outputs": {"regex": "a"},
 }
 REFUSED_CHAT = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "required",
-    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
 }
 
 
