@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from cluster.config import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from cluster.errors import InvalidRequestError
+from cluster.tool_calls import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolMode, constraint, tool_mode
 
 if TYPE_CHECKING:
     from cluster.scores import TokenScore
@@ -55,8 +56,6 @@ class StreamOptions(BaseModel):
 
 #: Field -> the values that ask for nothing (and so are accepted) of the fields refused by ``_CommonRequest``.
 _NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "best_of": (1,),
     "guided_grammar": (),
     "structured_outputs": (),
@@ -111,8 +110,6 @@ class _CommonRequest(BaseModel):
     guided_choice: list[str] | None = Field(None, min_length=1)
     # Fields of the OpenAI API and vLLM's extensions that change the output and are not implemented yet: a request
     # that sets one to anything but its neutral value is refused with a 400 naming it, never silently ignored.
-    tools: Any = None
-    tool_choice: Any = None
     best_of: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
@@ -308,19 +305,29 @@ class CompletionRequest(_CommonRequest):
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class _CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    #: JSON text, as OpenAI sends it (a client may send an object).
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: ChatRole
     content: str | list[dict[str, Any]] | None = None
-    #: Tool-call history would be dropped from the rendered prompt: refused until tools are supported.
-    tool_calls: Any = None
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("tool calls in messages are not supported by this server yet")
-        return v
+    #: An assistant turn's calls (tool-call history), passed to the chat template.
+    tool_calls: list[_MessageToolCall] | None = None
+    #: A ``tool`` turn: which call it answers.
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -333,13 +340,39 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (role, text); InvalidRequestError for a content part that is not
-    text."""
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: role and text, and for tool-call history an assistant turn's
+    ``tool_calls`` (arguments as an object: templates write them with ``tojson``) and a tool turn's
+    ``tool_call_id``; InvalidRequestError for a content part that is not text."""
     try:
-        return [{"role": m.role, "content": m.text()} for m in messages]
+        return [_template_message(m) for m in messages]
     except ValueError as e:
         raise InvalidRequestError(str(e), "messages") from None
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c.function)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _args(function: _CalledFunction) -> Any:
+    if isinstance(function.arguments, dict):
+        return function.arguments
+    try:
+        return json.loads(function.arguments)
+    except ValueError:
+        raise ValueError(
+            f"the arguments of the call to {function.name!r} in messages are not JSON: {function.arguments!r}"
+        ) from None
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -348,9 +381,26 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_mode(self, parser: str | None) -> ToolMode:
+        """How this request uses tools with the server's ``--tool-call-parser`` (InvalidRequestError when it
+        cannot be served)."""
+        return tool_mode(self.tools, self.tool_choice, parser, self.parallel_tool_calls)
+
+    def _structured(self) -> StructuredOutput | None:
+        own = super()._structured()
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if not forced:
+            return own
+        if own is not None:
+            raise InvalidRequestError("tool_choice already constrains the output; drop response_format", "tool_choice")
+        return constraint(self.tool_mode(None))
 
     def _want_logprobs(self) -> bool:
         return self.logprobs
@@ -553,10 +603,12 @@ def completion_choice(
     tokens: list[str] | None = None,
     alternatives: NamedAlternatives | None = None,
     echo: PromptEcho | None = None,
+    tool_calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
     """One choice; ``tokens``: the sampled tokens' texts (``token_strings``), needed with ``logprobs``;
     ``alternatives``: each position's most likely tokens, when the request asked for them; ``echo``: the prompt,
-    put before the completion (completions' ``echo``)."""
+    put before the completion (completions' ``echo``); ``tool_calls``: the calls found in a chat output (its
+    ``content`` is then what is left, null when nothing)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if echo is not None:
         text = echo.text + text
@@ -570,6 +622,12 @@ def completion_choice(
     else:
         key = "delta" if stream else "message"
         choice[key] = {"role": "assistant", "content": text}
+        if tool_calls:
+            choice[key]["content"] = text or None
+            choice[key]["tool_calls"] = [c.body() for c in tool_calls]
+            if stream:  # stream deltas carry each call's index
+                for i, c in enumerate(choice[key]["tool_calls"]):
+                    c["index"] = i
         choice["logprobs"] = lp_body
     if token_ids is not None:
         choice["token_ids"] = token_ids

@@ -7,6 +7,7 @@ One place decides how text is tokenized and how a chat is rendered, so the serve
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from cluster.errors import InvalidRequestError
 
@@ -34,8 +35,14 @@ def encode_prompt(tokenizer, prompt: str | list[int], add_special_tokens: bool =
     return list(prompt)
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Renders ``messages`` with the tokenizer's chat template; a clear error when the model has none."""
+def encode_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Renders ``messages`` (and ``tools``, for templates that list them) with the tokenizer's chat template; a
+    clear error when the model has none."""
     for m in messages:
         _check_unicode(m.get("content") or "", "messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -46,7 +53,9 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt
             "messages",
         )
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as e:  # jinja errors: the template rejected these messages
         raise InvalidRequestError(f"the chat template rejected these messages: {e}", "messages") from e
     _check_unicode(text, "messages")

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import functools
 import importlib.metadata
+import json
 import logging
 import random
 import time
@@ -58,6 +59,7 @@ from cluster.serving.config import ServeConfig
 from cluster.serving.messages import GenerateTask, ReplicaStats, Route, Started
 from cluster.serving.metrics import RequestTiming, RouterMetrics
 from cluster.tokenizer import load_tokenizer
+from cluster.tool_calls import ToolCall, ToolMode, parse_output, template_tools
 from router import choices
 from router.admission import AdmissionController, PrefixEstimator, Ticket
 from router.api_key import APIKeyMiddleware
@@ -271,9 +273,10 @@ class OpenAIServer:
         req: ChatCompletionRequest = parse_body(await self._read_body(request), ChatCompletionRequest)
         name = self._check_model(req.model)
         conversation = _user_errors(req.conversation)
-        size = sum(len(m["content"]) for m in conversation)
+        tools = template_tools(_user_errors(lambda: req.tool_mode(self.config.tool_call_parser)))
+        size = sum(len(m["content"]) for m in conversation) + len(json.dumps(tools) if tools else "")
         prompt = await self._encode(
-            lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt), size, "messages"
+            lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt, tools), size, "messages"
         )
         return await self._serve("chat", req, [prompt], name)
 
@@ -357,6 +360,8 @@ class OpenAIServer:
         """Several choices (a list of prompts, ``n`` > 1): one engine request each, admitted one after the other
         (the 429 of any ends those already admitted), answered as one response whose choices carry
         ``index = prompt number x n + sequence number``. With a seed, sequence j samples with seed + j."""
+        if req.stream and kind == "chat" and req.tool_mode(self.config.tool_call_parser).kind != "none":
+            raise APIError(400, "n > 1 with tools cannot be streamed yet; send stream false", param="n")
         runs: list[RequestRun] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -418,6 +423,8 @@ class RequestRun:
     ):
         self.s = server
         self.model_name = model_name
+        #: How a chat request uses tools (checked at the edge already).
+        self.tool_mode = req.tool_mode(server.config.tool_call_parser) if kind == "chat" else ToolMode("none")
         #: The choice's ``index`` in the response (prompt number x n + sequence number).
         self.index = index
         self.kind = kind
@@ -524,13 +531,20 @@ class RequestRun:
                 finish = batch[-1].finish_reason
         tok, want_logprobs = self.s.tokenizer, self.req._want_logprobs()
         prompt_ids = self.plan.prompt_token_ids
+        content, calls = "".join(text), list[ToolCall]()
+        if self.tool_mode.kind != "none":
+            found, calls = parse_output(self.tool_mode, content, self.s.config.tool_call_parser)
+            if calls:
+                content = found or ""
+                # OpenAI: "tool_calls" when the model chose to call; a forced function ends with "stop".
+                finish = "tool_calls" if self.tool_mode.kind != "named" else finish
         echo = None
         if self.kind == "completion" and self.req.echo:
             prompt = self.req.prompts[self.index // self.req.n]
             echo = prompt_echo(tok, prompt, prompt_ids, (prompt_scores or ()) if want_logprobs else None)
         choice = completion_choice(
             self.kind,  # type: ignore[arg-type]
-            "".join(text),
+            content,
             finish,
             ids if self.req.return_token_ids else None,
             lps if want_logprobs else None,
@@ -538,6 +552,7 @@ class RequestRun:
             token_strings(tok, ids) if want_logprobs else None,
             alternative_strings(tok, alternatives) if self.req._top_logprobs() else None,
             echo,
+            calls,
         )
         choice["index"] = self.index
         if self.req.prompt_logprobs is not None:
@@ -567,6 +582,10 @@ class RequestRun:
                 yield encoder.chunk(batch)
 
     async def sse(self) -> AsyncIterator[bytes]:
+        if self.tool_mode.kind != "none":
+            async for event in self._buffered_sse():
+                yield event
+            return
         encoder = self.encoder(int(time.time()))
         try:
             async with aclosing(self.chunks(encoder)) as chunks:
@@ -576,6 +595,25 @@ class RequestRun:
             yield sse_event(e.body()) + DONE
             return
         yield (encoder.usage(self._usage()) if self.req.include_usage else b"") + DONE
+
+    async def _buffered_sse(self) -> AsyncIterator[bytes]:
+        """A chat stream with tools: calls can only be parsed from the whole output, so the choice is sent as one
+        delta (content and/or tool_calls) once the output is complete."""
+        try:
+            choice = await self.collect_choice()
+        except APIError as e:
+            yield sse_event(e.body()) + DONE
+            return
+        choice["delta"] = choice.pop("message")
+        for i, call in enumerate(choice["delta"].get("tool_calls") or []):
+            call["index"] = i
+        body = response_envelope(self.kind, self.rid, self.model_name, stream=True)  # type: ignore[arg-type]
+        body["choices"] = [choice]
+        usage_event = b""
+        if self.req.include_usage:
+            body["usage"] = None
+            usage_event = sse_event({**body, "choices": [], "usage": self._usage()})
+        yield sse_event(body) + usage_event + DONE
 
 
 def _user_errors(fn: Callable[[], Any]) -> Any:

@@ -147,6 +147,9 @@ class ServeConfig(_Frozen):
     max_model_len: int | None = Field(None, ge=1)
     #: A Jinja chat template (the text) used instead of the tokenizer's own; ``--chat-template FILE`` reads it.
     chat_template: str | None = None
+    #: How tool calls are found in the model's text for ``tool_choice: "auto"`` (the format its family was trained
+    #: on); None: only ``required`` and named functions (grammar-enforced) are served.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     block_size: int = Field(16, ge=1)

@@ -39,6 +39,7 @@ from cluster.openai_protocol import (
 )
 from cluster.prompting import encode_chat, encode_prompt
 from cluster.scores import TokenScore
+from cluster.tool_calls import ToolCall, ToolMode, parse_output, template_tools
 
 _ENDPOINTS: dict[str, tuple[Literal["completion", "chat"], type[BaseModel]]] = {
     "/v1/completions": ("completion", CompletionRequest),
@@ -71,6 +72,8 @@ class _Line:
     #: What the choice shows of the prompt: echoed text and tokens, vLLM's ``prompt_logprobs`` body.
     echo: PromptEcho | None = None
     prompt_logprobs_body: list[Any] | None = None
+    tool_mode: ToolMode = ToolMode("none")
+    tool_call_parser: str | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -81,7 +84,7 @@ def _error(status: int, code: str, message: str) -> dict[str, Any]:
 
 
 def _parse_line(
-    index: int, raw: str, engine: LLMEngine, model_name: str
+    index: int, raw: str, engine: LLMEngine, model_name: str, tool_call_parser: str | None = None
 ) -> tuple[_Line, list[int], SamplingParams | None]:
     try:
         obj = json.loads(raw)
@@ -117,7 +120,9 @@ def _parse_line(
             # The server fans these out into several choices; a batch line is one sequence, so it says so.
             raise APIError(400, "run-batch takes one prompt and n=1 per line; write one line per choice", param="n")
         if isinstance(req, ChatCompletionRequest):
-            prompt_ids = encode_chat(engine.tokenizer, req.conversation(), req.add_generation_prompt)
+            line.tool_mode = req.tool_mode(tool_call_parser)
+            tools = template_tools(line.tool_mode)
+            prompt_ids = encode_chat(engine.tokenizer, req.conversation(), req.add_generation_prompt, tools)
         else:
             prompt_ids = encode_prompt(engine.tokenizer, req.prompt)
         default_max = max(1, engine.max_model_len - len(prompt_ids))
@@ -162,17 +167,24 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
     body = response_envelope(
         line.kind, new_id("cmpl" if line.kind == "completion" else "chatcmpl"), model_name, stream=False
     )
+    text, finish, calls = line.text, line.finish_reason, list[ToolCall]()
+    if line.tool_mode.kind != "none":
+        content, calls = parse_output(line.tool_mode, line.text, line.tool_call_parser)
+        if calls:  # as the server answers: see router.server.RequestRun.collect_choice
+            text = content or ""
+            finish = "tool_calls" if line.tool_mode.kind != "named" else finish
     body["choices"] = [
         completion_choice(
             line.kind,
-            line.text,
-            line.finish_reason,
+            text,
+            finish,
             line.token_ids if line.return_token_ids else None,
             line.logprobs if line.want_logprobs else None,
             stream=False,
             tokens=line.token_texts if line.want_logprobs else None,
             alternatives=line.named_alternatives,
             echo=line.echo,
+            tool_calls=calls,
         )
     ]
     if line.prompt_logprobs_body is not None:
@@ -188,17 +200,24 @@ def _record(line: _Line, model_name: str) -> dict[str, Any]:
 
 
 def run_batch(
-    engine: LLMEngine, infile: TextIO, outfile: TextIO, model_name: str, progress: bool = False
+    engine: LLMEngine,
+    infile: TextIO,
+    outfile: TextIO,
+    model_name: str,
+    progress: bool = False,
+    tool_call_parser: str | None = None,
 ) -> tuple[int, int]:
     """Runs every line of ``infile``; writes records to ``outfile`` in input order. Returns (ok, failed).
-    ``progress``: a progress bar on stderr (requests done, output tokens/s, ETA)."""
+    ``progress``: a progress bar on stderr (requests done, output tokens/s, ETA); ``tool_call_parser``: as
+    ``shapeserve serve --tool-call-parser``."""
     from tqdm.auto import tqdm
 
     lines: list[_Line] = []
     for index, raw in enumerate(infile):
         if not raw.strip():
             continue
-        line, prompt_ids, params = _parse_line(index, raw, engine, model_name)
+        line, prompt_ids, params = _parse_line(index, raw, engine, model_name, tool_call_parser)
+        line.tool_call_parser = tool_call_parser
         lines.append(line)
         if params is not None:
             engine.add_request(str(index), prompt_ids, params)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cluster.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from cluster.errors import ConfigError, ShapeserveError
+from cluster.tool_calls import TOOL_CALL_PARSERS
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +98,9 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
         engine.tokenizer.chat_template = chat_template
     model_name = args.served_model_name or Path(args.model).name
     with open(args.input, encoding="utf-8") as fin, open(args.output, "w", encoding="utf-8") as fout:
-        ok, failed = run_batch(engine, fin, fout, model_name, progress=not args.no_progress)
+        ok, failed = run_batch(
+            engine, fin, fout, model_name, progress=not args.no_progress, tool_call_parser=args.tool_call_parser
+        )
     print(f"run-batch: {ok} succeeded, {failed} failed -> {args.output}", file=sys.stderr)
     return 0
 
@@ -142,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--served-model-name", default=None, help="the name lines may give as 'model' (or the directory)")
     rb.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     rb.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template instead of the model's")
+    rb.add_argument(
+        "--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS, help='tool-call format for tool_choice "auto"'
+    )
     add_engine_arguments(rb)
     rb.set_defaults(func=_cmd_run_batch)
 

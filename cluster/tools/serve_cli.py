@@ -19,6 +19,7 @@ import time
 
 from cluster.engine.host_memory import ARENA_ENV
 from cluster.errors import ShapeserveError
+from cluster.tool_calls import TOOL_CALL_PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chat-template", default=None, metavar="FILE", help="Jinja chat template instead of the model's"
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSERS,
+        help='how tool calls are found in the output for tool_choice "auto" (the format the model was trained on)',
     )
     parser.add_argument(
         "--api-key",
@@ -113,6 +120,7 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key or None,
         max_model_len=args.max_model_len,
         chat_template=read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
     )
     model_dir = config.model
     if model_dir is None:

@@ -342,7 +342,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, demo_
 def test_structured_output_through_the_sdk_on_both_routes(server):
     """response_format json_schema (chat and completions) validates on LOCAL and REMOTE prompts (REMOTE: the
     prefill replica's first token is constrained too, and the decode replica's matcher continues after it);
-    guided_choice answers one of the choices; a bad schema is a 400 naming response_format."""
+    guided_choice answers one of the choices; a bad schema is a 400 naming response_format; a named function and
+    tool_choice "required" give calls whose arguments validate against the function's parameters."""
     import jsonschema
     import openai
 
@@ -375,6 +376,36 @@ def test_structured_output_through_the_sdk_on_both_routes(server):
             response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "frob"}}},
         )
     assert e.value.body["param"] == "response_format"
+    # Forced tool calls on the engine: the arguments are grammar-constrained to the function's parameters.
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 8},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "weather?"}]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        out = api.chat.completions.create(
+            model="demo",
+            messages=messages,
+            tools=[weather],
+            tool_choice=choice,
+            parallel_tool_calls=False,  # "required" then allows one call: a random model would list calls forever
+            max_tokens=100,
+            temperature=0,
+        )
+        calls = out.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "get_weather", out
+        jsonschema.validate(json.loads(calls[0].function.arguments), weather["function"]["parameters"])
 
 
 def test_fuzzed_requests_get_no_5xx_and_leave_the_server_exact(server):
