@@ -117,16 +117,18 @@ def tokens_per_s(engine, prompts: list[list[int]], params: SamplingParams, patch
 
 
 def off_path_us_per_step(batch: int, vocab: int, repeats: int = 2000) -> float:
-    """CPU time of what every step now runs when no request asks for any feature: the logits processors' check
-    and the sampler's logprob / alternative bookkeeping, on a batch of plain greedy requests."""
+    """CPU time of what every step now runs when no request asks for any feature: the logits processors' check,
+    the grammar check and the sampler's logprob / alternative bookkeeping, on a batch of plain greedy requests."""
     import torch
 
     logits = torch.randn(batch, vocab)
     params = [SamplingParams(temperature=0.0)] * batch
     histories = [_History([1, 2, 3], [4]) for _ in range(batch)]
+    matchers = [None] * batch
     t0 = time.process_time()
     for _ in range(repeats):
         sampler.process_logits(logits, params, histories, (2,))
+        any(m is not None for m in matchers)  # the sampler's structured-output check
         [i for i, p in enumerate(params) if p.logprobs]  # noqa: B018 - the sampler's logprobs check
     return (time.process_time() - t0) / repeats * 1e6
 
