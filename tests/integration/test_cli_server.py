@@ -347,7 +347,7 @@ def test_structured_output_through_the_sdk_on_both_routes(server):
     import jsonschema
     import openai
 
-    from tests.unit.test_structured_output import random_schema
+    from bench.schemas import random_schema
 
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     rng = random.Random(11)

@@ -24,6 +24,7 @@ VOCABULARY = {
     "cluster.openai_protocol",
     "cluster.scores",
     "cluster.grammar",
+    "cluster.tool_calls",
 }
 
 #: layer -> the layers it may import (its own included). The composition root may import anything.
