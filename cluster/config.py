@@ -203,9 +203,10 @@ class StructuredOutput:
     """A constraint on the whole output, enforced token by token (``cluster.grammar`` compiles it).
 
     ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON object; ``spec``
-    empty), ``regex`` (``spec``: the pattern) or ``choice`` (``spec``: a JSON list of the allowed strings)."""
+    empty), ``regex`` (``spec``: the pattern), ``choice`` (``spec``: a JSON list of the allowed strings) or
+    ``grammar`` (``spec``: a Lark or GBNF grammar)."""
 
-    kind: Literal["json_schema", "json_object", "regex", "choice"]
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
 
 

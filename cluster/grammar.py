@@ -13,6 +13,7 @@ import json
 from typing import TYPE_CHECKING
 
 import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -37,10 +38,13 @@ def grammar_for(structured: StructuredOutput) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         if structured.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+        if structured.kind == "grammar":
+            # vLLM's guided_grammar takes llama.cpp's GBNF (xgrammar) or Lark (guidance): both are read here.
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(structured.spec))
         choices = json.loads(structured.spec)
         # Lark string literals take JSON's escapes, so any choice text is written exactly.
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, GbnfToLarkError) as e:
         raise InvalidRequestError(f"the {_field(structured)} cannot be compiled: {e}", _field(structured)) from None
 
 
@@ -60,6 +64,5 @@ def _errors(grammar: str) -> str | None:
 
 
 def _field(structured: StructuredOutput) -> str:
-    return {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex"}.get(
-        structured.kind, "guided_choice"
-    )
+    names = {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex"}
+    return names.get(structured.kind, "guided_grammar" if structured.kind == "grammar" else "guided_choice")

@@ -49,6 +49,37 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputsParams(BaseModel):
+    """vLLM's newer ``structured_outputs`` object: the same constraints as the ``guided_*`` fields."""
+
+    model_config = ConfigDict(extra="forbid")  # e.g. structural_tag: not served, so a 400 rather than ignored
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    def constraints(self) -> list[StructuredOutput]:
+        found = []
+        if self.json_ is not None:
+            try:
+                schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            except ValueError:
+                raise InvalidRequestError(
+                    "structured_outputs.json must be a JSON schema", "structured_outputs"
+                ) from None
+            found.append(StructuredOutput("json_schema", _canonical(schema)))
+        if self.regex is not None:
+            found.append(StructuredOutput("regex", self.regex))
+        if self.choice is not None:
+            found.append(StructuredOutput("choice", json.dumps(self.choice)))
+        if self.grammar is not None:
+            found.append(StructuredOutput("grammar", self.grammar))
+        if self.json_object:
+            found.append(StructuredOutput("json_object"))
+        return found
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -57,8 +88,6 @@ class StreamOptions(BaseModel):
 #: Field -> the values that ask for nothing (and so are accepted) of the fields refused by ``_CommonRequest``.
 _NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "functions": ([],),  # the pre-tools function calling
     "function_call": ("none",),
     "skip_special_tokens": (True,),
@@ -108,11 +137,11 @@ class _CommonRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputsParams | None = None
     # Fields of the OpenAI API and vLLM's extensions that change the output and are not implemented yet: a request
     # that sets one to anything but its neutral value is refused with a 400 naming it, never silently ignored.
     best_of: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     functions: Any = None
     function_call: Any = None
     skip_special_tokens: Any = None
@@ -188,6 +217,10 @@ class _CommonRequest(BaseModel):
             found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
         if self.guided_choice is not None:
             found.append(("guided_choice", StructuredOutput("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        if self.structured_outputs is not None:
+            found += [("structured_outputs", s) for s in self.structured_outputs.constraints()]
         if len(found) > 1:
             names = " and ".join(name for name, _ in found)
             raise InvalidRequestError(f"{names} each constrain the output; send one of them", found[1][0])

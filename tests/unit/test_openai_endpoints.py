@@ -148,8 +148,7 @@ def test_serve_flags_for_names_and_key(demo_model, monkeypatch):
 REFUSED_COMPLETION = {
     "best_of": 2,
     "suffix": "end",
-    "guided_grammar": "start: a",
-    "structured_outputs": {"regex": "a"},
+    "structured_outputs": {"structural_tag": "{}"},  # vLLM's structural tags: not served
 }
 REFUSED_CHAT = {
     "functions": [{"name": "f", "parameters": {}}],  # the deprecated API: tools replace it

@@ -50,6 +50,9 @@ def test_json_object_regex_and_choice(engine):
             StructuredOutput("choice", json.dumps(["yes", "no way", 'say "hi"'])),
             lambda t: t in ("yes", "no way", 'say "hi"'),
         ),
+        # vLLM's guided_grammar: llama.cpp's GBNF and Lark
+        (StructuredOutput("grammar", 'root ::= "ab" [0-9] [0-9]?'), lambda t: re.fullmatch(r"ab[0-9][0-9]?", t)),
+        (StructuredOutput("grammar", 'start: ("x" | "yz")+ "!"'), lambda t: re.fullmatch(r"(x|yz)+!", t)),
     ]
     for structured, ok in cases:
         for seed in range(3):
@@ -82,6 +85,9 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(engine):
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "send one of them"),
         ({"guided_json": "{not json"}, "guided_json", "JSON schema"),
         ({"guided_choice": []}, "guided_choice", "at least 1"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "unknown name"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "send one of them"),
+        ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "JSON schema"),
     ],
 )
 def test_the_edge_refuses_bad_constraints_naming_the_field(body, param, message):
@@ -104,5 +110,7 @@ def test_response_format_and_guided_fields_map_to_one_constraint():
     )
     same = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "guided_json": json.dumps(schema)})
     assert chat.sampling_params(16).structured == same.sampling_params(16).structured  # one compiled grammar
+    newer = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "structured_outputs": {"json": schema}})
+    assert newer.sampling_params(16).structured == same.sampling_params(16).structured
     text = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "response_format": {"type": "text"}})
     assert text.sampling_params(16).structured is None
