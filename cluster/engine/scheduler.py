@@ -148,8 +148,12 @@ class Scheduler:
                 budget -= n
 
         # Admit new work only when nobody was preempted: blocks are short this step.
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._wait_for_shared_prefix(req):
+                deferred.append(self.waiting.popleft())
+                continue
             # A request scoring its prompt computes every prompt position (a cached block has no logits).
             if req.num_computed_tokens == 0 and not req.block_ids and req.params.prompt_logprobs is None:
                 hits = self._prefix_hits(req)
@@ -172,6 +176,8 @@ class Scheduler:
             self.running.append(req)
             picked[req.request_id] = n
             budget -= n
+
+        self.waiting.extendleft(reversed(deferred))  # they keep their place at the head of the queue
 
         # One-token steps first: the attention backends run them as decodes (query length 1).
         by_id = {r.request_id: r for r in self.running}
@@ -217,6 +223,34 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _wait_for_shared_prefix(self, req: Request) -> bool:
+        """True when a running request is still computing prompt blocks this new request shares: it waits (a step
+        or a few) and then takes them from the prefix cache instead of computing them again. This is how the
+        ``n`` choices of one request, and concurrent requests with one system prompt, share their prompt's KV."""
+        if not self.pool.enable_prefix_caching or req.num_computed_tokens or req.block_ids:
+            return False
+        if req.params.prompt_logprobs is not None:  # computes its whole prompt anyway
+            return False
+        mine = self._prompt_hashes(req)
+        if not mine:
+            return False
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            theirs = self._prompt_hashes(other)
+            shared = 0
+            while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
+                shared += 1
+            if shared and other.num_computed_tokens < shared * self.block_size:
+                return True
+        return False
+
+    def _prompt_hashes(self, req: Request) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks, computed once per request (the prompt never changes)."""
+        if req.prompt_block_hashes is None:
+            req.prompt_block_hashes = hash_full_blocks(req.prompt_token_ids, self.block_size)
+        return req.prompt_block_hashes
 
     def _prefix_hits(self, req: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks; at least one token is always left to compute."""

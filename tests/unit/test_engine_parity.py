@@ -127,3 +127,22 @@ def test_same_tokens_whatever_the_scheduling(variant, reference):
         assert engine.block_pool.num_cache_hits > 0
     if variant == "no-prefix-cache":
         assert engine.block_pool.num_cache_hits == 0
+
+
+def test_n_copies_of_a_prompt_compute_it_once_and_match_a_lone_run(demo_model):
+    """What the edge does for n > 1 (n engine requests with one prompt): one computes the prompt, the others take
+    its blocks from the prefix cache, and every copy's greedy tokens equal a lone request's."""
+    prompt = random_prompts(1, [70], 512, seed=4)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    lone = LLMEngine(engine_config(demo_model, num_blocks=64)).generate([prompt], params)[0]["token_ids"]
+    engine = LLMEngine(engine_config(demo_model, num_blocks=64))
+    for i in range(3):
+        engine.add_request(f"c{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"c{i}": [] for i in range(3)}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            cached[out.request_id] = out.num_cached_tokens
+    assert all(t == lone for t in tokens.values())
+    assert sorted(cached.values()) == [0, 64, 64]  # 4 of the prompt's 4 full blocks from the cache

@@ -31,7 +31,7 @@ def fake_step(s, out, token=1):
 
 def test_prompts_are_chunked_under_the_token_budget():
     s, pool = make_scheduler(budget=10)
-    a, b = make_request("a", 8), make_request("b", 8)
+    a, b = make_request("a", 8), make_request("b", prompt=range(50, 58))
     s.add(a), s.add(b)
     out = s.schedule()
     assert plan(out) == [("a", 8), ("b", 2)]
@@ -72,7 +72,7 @@ def test_admission_waits_for_free_blocks():
 
 def test_preemption_by_recompute_when_blocks_run_out():
     s, pool = make_scheduler(num_blocks=4, budget=64)
-    a, b = make_request("a", 8), make_request("b", 7)
+    a, b = make_request("a", 8), make_request("b", prompt=range(50, 57))
     s.add(a), s.add(b)
     fake_step(s, s.schedule())  # a: 8 tokens in blocks 0,1 ; b: 7 tokens in blocks 2,3
     assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
@@ -185,4 +185,24 @@ def test_admission_never_evicts_its_own_prefix_hits():
     s.finish(c, RequestStatus.FINISHED_STOPPED)
     assert ("b", 4) in plan(s.schedule())
     assert b.block_ids == [0, 1, 2]
+    pool.check_integrity()
+
+
+def test_a_request_waits_for_a_shared_prefix_being_computed_then_takes_it_from_the_cache():
+    """The n choices of one request (same prompt), and requests sharing a system prompt: a follower waits while
+    the first computes the shared blocks, then hits the prefix cache; unrelated requests go on meanwhile."""
+    s, pool = make_scheduler(num_blocks=32, budget=64, chunk=8)
+    first, same = make_request("first", 16), make_request("same", 16)
+    other = make_request("other", prompt=range(50, 58))
+    for r in (first, same, other):
+        s.add(r)
+    out = s.schedule()
+    assert plan(out) == [("first", 8), ("other", 8)]  # "same" waits: "first" is computing their blocks
+    assert [r.request_id for r in s.waiting] == ["same"]
+    fake_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("other", 1), ("first", 8)]  # still computing the shared blocks: "same" still waits
+    fake_step(s, out)
+    out = s.schedule()
+    assert dict(plan(out))["same"] == 4 and same.num_cached_tokens == 12  # 3 blocks from the cache
     pool.check_integrity()
