@@ -113,12 +113,14 @@ def meets_slo(r: RequestRecord, slo: dict) -> bool:
 # ---- the client ---------------------------------------------------------------------------
 
 
-async def send_one(session, url: str, model: str, req: WorkloadRequest, rec: RequestRecord, t0: float) -> None:
+async def send_one(
+    session, url: str, model: str, req: WorkloadRequest, rec: RequestRecord, t0: float, temperature: float = 0.0
+) -> None:
     body = {
         "model": model,
         "prompt": list(req.prompt_token_ids),
         "max_tokens": req.output_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -169,6 +171,7 @@ async def run_load(
     timeout_s: float,
     progress: bool = True,
     max_concurrency: int | None = None,
+    temperature: float = 0.0,
 ) -> tuple[list[RequestRecord], float]:
     import aiohttp
     from tqdm.auto import tqdm
@@ -187,7 +190,7 @@ async def run_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with limit:
-                await send_one(session, url, model, req, rec, t0)
+                await send_one(session, url, model, req, rec, t0, temperature)
             bar.update(1)
             bar.set_postfix(ok=sum(r.ok for r in records), tok=sum(r.output_tokens for r in records))
 
@@ -303,6 +306,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="write the report (and every request's record) here")
     p.add_argument("--plot-dir", default=None, help="write latency CDFs and throughput over time as PNG here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sent with every request (default 0, greedy; vllm bench serve now leaves it to the server: 1.0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,7 +321,9 @@ def run(args: argparse.Namespace) -> int:
     spec, requests = load_workload(args.workload, args.vocab_size, args.rate, args.num_requests, args.seed)
     model = args.model or asyncio.run(discover_model(args.base_url))
     records, duration = asyncio.run(
-        run_load(args.base_url, model, requests, args.timeout, not args.no_progress, args.max_concurrency)
+        run_load(
+            args.base_url, model, requests, args.timeout, not args.no_progress, args.max_concurrency, args.temperature
+        )
     )
     result = report(records, duration, spec)
     result["base_url"] = args.base_url
