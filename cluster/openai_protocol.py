@@ -222,8 +222,12 @@ class _CommonRequest(BaseModel):
         if self.structured_outputs is not None:
             found += [("structured_outputs", s) for s in self.structured_outputs.constraints()]
         if len(found) > 1:
-            names = " and ".join(name for name, _ in found)
-            raise InvalidRequestError(f"{names} each constrain the output; send one of them", found[1][0])
+            fields = list(dict.fromkeys(name for name, _ in found))
+            if len(fields) == 1:
+                message = f"{fields[0]} sets {len(found)} constraints on the output; send one of them"
+            else:
+                message = f"{' and '.join(fields)} each constrain the output; send one of them"
+            raise InvalidRequestError(message, found[1][0])
         return found[0][1] if found else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

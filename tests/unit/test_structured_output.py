@@ -86,7 +86,7 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(engine):
         ({"guided_json": "{not json"}, "guided_json", "JSON schema"),
         ({"guided_choice": []}, "guided_choice", "at least 1"),
         ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "unknown name"),
-        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "send one of them"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "sets 2 constraints"),
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "JSON schema"),
     ],
 )
