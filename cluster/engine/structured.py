@@ -9,10 +9,10 @@ cost nothing: the step looks for none and moves on.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from cluster.config import StructuredOutput
@@ -22,6 +22,15 @@ from cluster.grammar import check_structured, grammar_for
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
+@dataclass
+class RequestGrammar:
+    """One constrained request's matcher, and the size of its tokenizer's vocabulary (its bitmask's size, which
+    llguidance requires exactly: a model's logits may be wider than its tokenizer)."""
+
+    matcher: llguidance.LLMatcher
+    vocab_size: int
+
+
 class GrammarMatchers:
     """Builds matchers for one engine's tokenizer (the tokenizer's token table is built on first use)."""
 
@@ -29,7 +38,7 @@ class GrammarMatchers:
         self._hf_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
 
-    def matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+    def matcher(self, structured: StructuredOutput) -> RequestGrammar:
         """A fresh matcher at the start of the output; InvalidRequestError when the grammar cannot be used."""
         check_structured(structured)
         if self._tokenizer is None:
@@ -43,28 +52,33 @@ class GrammarMatchers:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar_for(structured))
         if matcher.is_error():
             raise InvalidRequestError(f"the grammar cannot be used: {matcher.get_error()}", "response_format")
-        return matcher
+        return RequestGrammar(matcher, self._tokenizer.vocab_size)
 
 
-def mask_logits(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> None:
-    """Sets to -inf, in place, every token row i's matcher does not allow next (rows without one untouched)."""
-    constrained_rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
-    if not constrained_rows:
+def mask_logits(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> None:
+    """Sets to -inf, in place, every token row i's grammar does not allow next (rows without one untouched)."""
+    constrained = [(i, g) for i, g in enumerate(grammars) if g is not None]
+    if not constrained:
         return
-    rows = [i for i, _ in constrained_rows]
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])
-    for j, (_, matcher) in enumerate(constrained_rows):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, j)
-    # Unpacked here rather than with llguidance's torch.compile'd kernel: no compiler at serving time.
+    rows = [i for i, _ in constrained]
+    vocab = constrained[0][1].vocab_size  # one tokenizer per engine
+    # llguidance's 32-bit words, one bit per token. Filled through the matcher's own call, not through
+    # ``llguidance.torch``: importing that module runs a ``torch.compile`` decorator, which imports the
+    # compiler stack (and triton) in every engine process; the unpacking below needs no compiler.
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for j, (_, grammar) in enumerate(constrained):
+        row = bitmask[j]
+        grammar.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
     bits = (bitmask[:, :, None] >> _BIT_SHIFTS) & 1
-    allowed = bits.reshape(len(rows), -1)[:, : logits.shape[1]].bool()
-    if allowed.shape[1] < logits.shape[1]:  # logits wider than the bitmask: the extra ids are not tokens
-        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]), value=False)
+    width = logits.shape[1]
+    allowed = bits.reshape(len(rows), -1)[:, : min(vocab, width)].bool()
+    if allowed.shape[1] < width:  # logits wider than the tokenizer: the extra ids are no tokens, never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-def consume(matcher: llguidance.LLMatcher, token: int) -> bool:
-    """Advances ``matcher`` past ``token``; True when the grammar is now complete (the output must end)."""
-    if not matcher.consume_token(token):
-        raise RuntimeError(f"the grammar matcher refused token {token}: {matcher.get_error()}")
-    return matcher.is_stopped()
+def consume(grammar: RequestGrammar, token: int) -> bool:
+    """Advances the matcher past ``token``; True when the grammar is now complete (the output must end)."""
+    if not grammar.matcher.consume_token(token):
+        raise RuntimeError(f"the grammar matcher refused token {token}: {grammar.matcher.get_error()}")
+    return grammar.matcher.is_stopped()

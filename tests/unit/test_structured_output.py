@@ -114,3 +114,16 @@ def test_response_format_and_guided_fields_map_to_one_constraint():
     assert newer.sampling_params(16).structured == same.sampling_params(16).structured
     text = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "response_format": {"type": "text"}})
     assert text.sampling_params(16).structured is None
+
+
+def test_the_mask_fits_logits_wider_than_the_tokenizer(engine):
+    """Many models' LM heads have more rows than their tokenizer has tokens; those ids are never allowed."""
+    import torch
+
+    from cluster.engine.structured import mask_logits
+
+    grammar = engine.grammars.matcher(StructuredOutput("regex", "ab"))
+    logits = torch.zeros(2, grammar.vocab_size + 64)
+    mask_logits(logits, [None, grammar])
+    allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed and max(allowed) < grammar.vocab_size and (logits[0] == 0).all()
