@@ -311,9 +311,7 @@ async def _logprobs(demo_model):
     tok = load_tokenizer(str(demo_model))
     worker = LogprobWorker(tok)
     t0, t1 = worker.texts
-    cfg = parse_serve_config({"device": "cpu", "served_model_name": "m"})
-    server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
+    async with edge(demo_model, worker, served_model_name="m") as client:
         api = sdk(client)
         alt = tok.decode([302])
         out = await api.completions.create(model="m", prompt="hi", max_tokens=2, logprobs=0)
@@ -388,9 +386,7 @@ async def _echo(demo_model):
     tok = load_tokenizer(str(demo_model))
     worker = ScoringWorker(tok)
     t0, t1 = worker.texts
-    cfg = parse_serve_config({"device": "cpu", "served_model_name": "m"})
-    server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://e") as client:
+    async with edge(demo_model, worker, served_model_name="m") as client:
         api = sdk(client)
         prompt = [20, 21, 22]
         plain = await api.completions.create(model="m", prompt="hello", max_tokens=2, echo=True)
