@@ -206,7 +206,13 @@ def greedy(url: str, model: str) -> dict:
 
 
 def run_plan(
-    name: str, server: ServerProcess, model: str, plan: list[dict], run_dir: Path, timeout_s: float
+    name: str,
+    server: ServerProcess,
+    model: str,
+    plan: list[dict],
+    run_dir: Path,
+    timeout_s: float,
+    temperature: float = 0.0,
 ) -> list[dict]:
     """Runs the plan with ``shapeserve bench``; also measures the CPU the server, the client and every
     other process on the machine spent meanwhile (others > 0: the machine was shared, figures are off)."""
@@ -234,6 +240,8 @@ def run_plan(
             "--output-json",
             str(out),
             "--no-progress",
+            "--temperature",
+            str(temperature),
         ]
         if "num_requests" in item:
             cmd += ["--num-requests", str(item["num_requests"])]
@@ -287,7 +295,7 @@ def run_server(
         print(f"  [{name}] /health after {server.seconds_to_health:.1f} s", file=sys.stderr, flush=True)
         model = args.served_model_name if name == "vllm" else served_model(url, Path(args.model_dir).name)
         parity = greedy(url, model)
-        workloads = run_plan(name, server, model, plan, run_dir, args.request_timeout)
+        workloads = run_plan(name, server, model, plan, run_dir, args.request_timeout, args.temperature)
         pss = pss_mb(server)
         by_group = server.pss_mb()
     finally:
@@ -407,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         default=90.0,
         help="idle seconds before each server after the first: this VM runs a fixed CPU job ~13%% slower right after"
         " 90 s of full load (and ~4%% after 90 s of rest), so the second server would pay for the first one's load",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sent with every load request (vllm bench serve's default is now the server's: 1.0, sampled)",
     )
     ap.add_argument("--vllm-port", type=int, default=8311)
     ap.add_argument("--shapeserve-port", type=int, default=8313)

@@ -88,7 +88,8 @@ else
 fi
 
 step "tcmalloc + libiomp5 for the tuned vLLM's LD_PRELOAD"
-find_tcmalloc() { ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}'; }
+# awk reads to the end: exiting early would SIGPIPE ldconfig, which pipefail turns into a failure (exit 141).
+find_tcmalloc() { ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 / && !found {print $NF; found = 1}'; }
 TCMALLOC=$(find_tcmalloc)
 if [[ -z "$TCMALLOC" ]]; then
   SUDO=(); [[ $(id -u) -eq 0 ]] || SUDO=(sudo -n)
