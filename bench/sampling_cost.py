@@ -1,7 +1,7 @@
 """What logit_bias, min_tokens, min_p, the penalties, logprobs and grammars cost the engine, against the engine without
 them, in one run.
 
-    python -m bench.sampling_cost [--repeats 3] [--requests 32] [--output-tokens 64]
+    python -m bench.sampling_cost [--repeats 3] [--requests 32] [--output-tokens 64] [--sampler-only]
 
 Offline engine on the bench model (hidden 512, 8 layers, vocab 32000, float32), ``--requests`` prompts of 64
 tokens, ``--output-tokens`` each, prefix caching off so every run does the same work. Variants, run round-robin
@@ -14,7 +14,10 @@ in each repeat so they share the machine's noise:
 - the sampler against the one it replaced (an exponential race, one random number per vocabulary entry, and a
   full sort for top-k / top-p), kept in this file as ``exponential_race``: plain sampling and top_k 50.
 
-Variants run in a new random order each repeat.
+Variants run in a new random order each repeat. First, the sampler alone (no model): the wall time of one
+sampling pass over a [32, 32000] batch of random logits, previous sampler against the current one, for plain,
+seeded, top_k 50 and top_p 0.9 rows (random logits are flat: top_p takes the full-sort fallback);
+``--sampler-only`` stops there.
 
 Prints output tokens/s and each variant's ratio to its baseline, min / median / max over ``--repeats``.
 """
@@ -139,17 +142,55 @@ class _History:
     output_token_ids: list[int]
 
 
+def sampler_pass_ms(batch: int = 32, vocab: int = 32000, repeats: int = 20) -> dict[str, dict[str, list[float]]]:
+    """case -> sampler -> wall ms of each of ``repeats`` passes over one [batch, vocab] batch."""
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(batch, vocab)
+    cases = {
+        "plain (temperature 1)": SamplingParams(temperature=1.0),
+        "seeded": SamplingParams(temperature=1.0, seed=1),
+        "top_k 50": SamplingParams(temperature=1.0, top_k=50),
+        "top_p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    }
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, p in cases.items():
+        generators = [torch.Generator().manual_seed(i) if p.seed is not None else None for i in range(batch)]
+        params, greedy = [p] * batch, [False] * batch
+        out[name] = {"previous": [], "current": []}
+        for _ in range(repeats):
+            for label, fn in (("previous", exponential_race), ("current", sampler._sample_random)):
+                t0 = time.perf_counter()
+                fn(logits, params, generators, greedy)
+                out[name][label].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def print_sampler_table(times: dict[str, dict[str, list[float]]]) -> None:
+    print("\nthe sampler alone, one pass over [32, 32000], wall ms (min / median / max of 20)")
+    print(f"{'case':24} {'previous':>24} {'current':>24} {'speed-up':>9}")
+    for name, t in times.items():
+        cells = [f"{min(v):.1f} / {statistics.median(v):.1f} / {max(v):.1f}" for v in (t["previous"], t["current"])]
+        speedup = statistics.median(t["previous"]) / statistics.median(t["current"])
+        print(f"{name:24} {cells[0]:>24} {cells[1]:>24} {speedup:8.1f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--model-dir", default=".bench-models/llama-512h-8l")
+    ap.add_argument("--sampler-only", action="store_true", help="only the sampler-alone table")
     args = ap.parse_args()
     from cluster.engine.llm_engine import LLMEngine
 
-    model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
     print(machine_line())
+    print_sampler_table(sampler_pass_ms())
+    if args.sampler_only:
+        return 0
+    model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
     engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(num_blocks=2048, enable_prefix_caching=False)))
     rng = random.Random(0)
     prompts = [[rng.randrange(4, BENCH_SPEC.vocab_size) for _ in range(64)] for _ in range(args.requests)]

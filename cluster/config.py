@@ -209,6 +209,11 @@ class StructuredOutput:
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
 
+    @classmethod
+    def from_schema(cls, schema: Any) -> StructuredOutput:
+        """A JSON-schema constraint with the schema as sorted-key JSON text: equal schemas share one grammar."""
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
 
 @dataclass(frozen=True)
 class SamplingParams:

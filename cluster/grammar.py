@@ -30,35 +30,42 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 @functools.lru_cache(maxsize=256)
 def grammar_for(structured: StructuredOutput) -> str:
     """llguidance grammar text for ``structured`` (cached: a service sees the same few schemas again and again).
-    Raises InvalidRequestError naming the field for a spec that is not a schema / pattern / list of strings."""
-    try:
-        if structured.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(structured.spec), defaults=_JSON_OPTIONS)
-        if structured.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        if structured.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(structured.spec)
-        if structured.kind == "grammar":
-            # vLLM's guided_grammar takes llama.cpp's GBNF (xgrammar) or Lark (guidance): both are read here.
+    Raises ValueError / TypeError for a spec that is not a schema / pattern / grammar / list of strings: call
+    ``check_structured`` first."""
+    if structured.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(json.loads(structured.spec), defaults=_JSON_OPTIONS)
+    if structured.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if structured.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+    if structured.kind == "grammar":
+        # vLLM's guided_grammar takes llama.cpp's GBNF (xgrammar) or Lark (guidance): both are read here.
+        try:
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(structured.spec))
-        choices = json.loads(structured.spec)
-        # Lark string literals take JSON's escapes, so any choice text is written exactly.
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    except (ValueError, TypeError, GbnfToLarkError) as e:
-        raise InvalidRequestError(f"the {_field(structured)} cannot be compiled: {e}", _field(structured)) from None
+        except GbnfToLarkError as e:
+            raise ValueError(str(e)) from None
+    choices = json.loads(structured.spec)
+    # Lark string literals take JSON's escapes, so any choice text is written exactly.
+    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
-def check_structured(structured: StructuredOutput | None) -> None:
-    """Raises InvalidRequestError (400) when llguidance would refuse the grammar."""
+def check_structured(structured: StructuredOutput | None, field: str | None = None) -> None:
+    """Raises InvalidRequestError (400) naming ``field`` (by default the guided_* field of its kind) when
+    llguidance would refuse the grammar."""
     if structured is None:
         return
-    errors = _errors(grammar_for(structured))
-    if errors is not None:
-        raise InvalidRequestError(f"the {_field(structured)} cannot be compiled: {errors}", _field(structured))
+    problem = _problem(structured)
+    if problem is not None:
+        name = field or _field(structured)
+        raise InvalidRequestError(f"the {name} cannot be compiled: {problem}", name)
 
 
 @functools.lru_cache(maxsize=256)
-def _errors(grammar: str) -> str | None:
+def _problem(structured: StructuredOutput) -> str | None:
+    try:
+        grammar = grammar_for(structured)
+    except (ValueError, TypeError) as e:
+        return str(e)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     return "; ".join(messages).strip() if is_error else None
 

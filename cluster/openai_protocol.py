@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from cluster.config import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from cluster.errors import InvalidRequestError
+from cluster.grammar import check_structured
 from cluster.tool_calls import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolMode, constraint, tool_mode
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class StructuredOutputsParams(BaseModel):
                 raise InvalidRequestError(
                     "structured_outputs.json must be a JSON schema", "structured_outputs"
                 ) from None
-            found.append(StructuredOutput("json_schema", _canonical(schema)))
+            found.append(StructuredOutput.from_schema(schema))
         if self.regex is not None:
             found.append(StructuredOutput("regex", self.regex))
         if self.choice is not None:
@@ -204,7 +205,7 @@ class _CommonRequest(BaseModel):
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", StructuredOutput("json_object")))
         elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-            found.append(("response_format", StructuredOutput("json_schema", _canonical(rf.json_schema.json_schema))))
+            found.append(("response_format", StructuredOutput.from_schema(rf.json_schema.json_schema)))
         if self.guided_json is not None:
             schema = self.guided_json
             if isinstance(schema, str):
@@ -212,7 +213,7 @@ class _CommonRequest(BaseModel):
                     schema = json.loads(schema)
                 except ValueError:
                     raise InvalidRequestError("guided_json must be a JSON schema (an object)", "guided_json") from None
-            found.append(("guided_json", StructuredOutput("json_schema", _canonical(schema))))
+            found.append(("guided_json", StructuredOutput.from_schema(schema)))
         if self.guided_regex is not None:
             found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
         if self.guided_choice is not None:
@@ -228,7 +229,11 @@ class _CommonRequest(BaseModel):
             else:
                 message = f"{' and '.join(fields)} each constrain the output; send one of them"
             raise InvalidRequestError(message, found[1][0])
-        return found[0][1] if found else None
+        if not found:
+            return None
+        name, structured = found[0]
+        check_structured(structured, name)  # the 400 names the field the client sent
+        return structured
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's params; raises InvalidRequestError naming the bad field."""
@@ -254,11 +259,6 @@ class _CommonRequest(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             min_p=self.min_p,
         ).validate()
-
-
-def _canonical(schema: Any) -> str:
-    """A schema as JSON text with sorted keys: equal schemas share one compiled grammar."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -437,7 +437,9 @@ class ChatCompletionRequest(_CommonRequest):
             return own
         if own is not None:
             raise InvalidRequestError("tool_choice already constrains the output; drop response_format", "tool_choice")
-        return constraint(self.tool_mode(None))
+        forced_output = constraint(self.tool_mode(None))
+        check_structured(forced_output, "tools")  # a function's parameters that are no usable schema
+        return forced_output
 
     def _want_logprobs(self) -> bool:
         return self.logprobs

@@ -107,7 +107,7 @@ def constraint(mode: ToolMode) -> StructuredOutput | None:
     """The grammar that enforces ``required`` and a named function (None for auto / none)."""
     if mode.kind == "named":
         tool = next(t for t in mode.tools if t.function.name == mode.name)
-        return StructuredOutput("json_schema", _canonical(_parameters(tool)))
+        return StructuredOutput.from_schema(_parameters(tool))
     if mode.kind == "required":
         calls = [
             {
@@ -121,7 +121,7 @@ def constraint(mode: ToolMode) -> StructuredOutput | None:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not mode.parallel:
             array["maxItems"] = 1
-        return StructuredOutput("json_schema", _canonical(array))
+        return StructuredOutput.from_schema(array)
     return None
 
 
@@ -195,7 +195,3 @@ def _arguments_text(text: str) -> str:
 
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
-
-
-def _canonical(schema: Any) -> str:
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))

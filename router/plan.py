@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from cluster.config import SamplingParams
 from cluster.errors import ShapeserveError
-from cluster.grammar import check_structured
 from cluster.openai_protocol import APIError
 from cluster.prefix_hash import hash_full_blocks
 from cluster.prompting import check_prompt
@@ -69,7 +68,6 @@ def plan_request(
     try:
         params = request.sampling_params(default_max_tokens(kind, len(prompt), limits))
         params.check_vocab(limits.vocab_size)
-        check_structured(params.structured)
         check_prompt(prompt, params.max_tokens, limits.vocab_size, limits.max_model_len)
     except ShapeserveError as e:
         raise user_error(e) from None

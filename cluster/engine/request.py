@@ -67,8 +67,6 @@ class Request:
     #: Chained hashes of the request's full blocks computed so far (token content only, so they
     #: stay valid across preemption).
     block_hashes: list[bytes] = field(default_factory=list)
-    #: The prompt's full blocks' hashes (the scheduler's, to see which running request computes a shared prefix).
-    prompt_block_hashes: list[bytes] | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     #: With ``params.prompt_logprobs``: the score of prompt token i + 1 at index i, filled as prefill goes.

@@ -247,10 +247,12 @@ class Scheduler:
         return False
 
     def _prompt_hashes(self, req: Request) -> list[bytes]:
-        """The chained hashes of the prompt's full blocks, computed once per request (the prompt never changes)."""
-        if req.prompt_block_hashes is None:
-            req.prompt_block_hashes = hash_full_blocks(req.prompt_token_ids, self.block_size)
-        return req.prompt_block_hashes
+        """The chained hashes of the prompt's full blocks, from the request's own hash cache (``block_hashes``,
+        which ``_prefix_hits`` and ``_cache_full_blocks`` fill from the same chain), filled here when short."""
+        num = req.num_prompt_tokens // self.block_size
+        if len(req.block_hashes) < num:
+            req.block_hashes = hash_full_blocks(req.prompt_token_ids, self.block_size)
+        return req.block_hashes[:num]
 
     def _prefix_hits(self, req: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks; at least one token is always left to compute."""

@@ -88,6 +88,8 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(engine):
         ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "unknown name"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "sets 2 constraints"),
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "JSON schema"),
+        # named as the client sent it, not as the guided_* field of the same kind
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "unclosed character class"),
     ],
 )
 def test_the_edge_refuses_bad_constraints_naming_the_field(body, param, message):

@@ -183,6 +183,13 @@ async def _forced(demo_model):
             ({"tools": [WEATHER]}, "tool_choice"),  # auto needs a parser on this server
             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
             ({"tool_choice": "required"}, "tool_choice"),
+            (  # parameters that are no usable schema: a 400 naming tools
+                {
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+                    "tool_choice": "required",
+                },
+                "tools",
+            ),
         ):
             with pytest.raises(openai.BadRequestError) as e:
                 await api.chat.completions.create(model="m", messages=history, **kwargs)
