@@ -1,28 +1,21 @@
-"""The OpenAI-compatible wire format: request bodies, response bodies, error bodies.
-
-Request bodies are validated once here (pydantic) and turned into the engine's frozen
-``SamplingParams``; nothing past the edge sees a dict. Unknown fields are ignored (clients
-send many), unsupported ones that would change the result (``n > 1``, ``echo``) are 400s.
+"""The OpenAI-compatible requests: bodies validated once here (pydantic) and turned into the engine's frozen
+``SamplingParams``; nothing past the edge sees a dict. Unknown fields are ignored (clients send many); a known
+one that the server cannot honour (``best_of``, ``suffix``) is a 400 naming it. The responses are
+``cluster.openai_responses``.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from cluster.errors import InvalidRequestError
 from cluster.grammar import check_structured
-from cluster.tool_calls import NamedToolChoice, Tool, ToolCall, ToolChoice, ToolMode, constraint, tool_mode
-
-if TYPE_CHECKING:
-    from cluster.scores import TokenScore
+from cluster.openai_responses import ErrorResponse, error_response
+from cluster.tool_calls import NamedToolChoice, Tool, ToolChoice, ToolMode, constraint, tool_mode
 
 #: Most choices one request may ask for: ``n`` x the number of prompts (each is a sequence in the engine).
 MAX_CHOICES = 64
@@ -171,8 +164,10 @@ class _CommonRequest(BaseModel):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # As vLLM: the prompt's logprobs are one body for the whole prompt, which no stream event carries.
+        # (A streamed completions ``echo`` with ``logprobs`` does carry the prompt's, in its first event.)
         if v is not None and info.data.get("stream"):
-            raise ValueError("prompt_logprobs cannot be streamed yet; send the request with stream false")
+            raise ValueError("prompt_logprobs are not available when stream is true; send stream false")
         return v
 
     @field_validator("n")
@@ -282,13 +277,6 @@ class CompletionRequest(_CommonRequest):
     #: Completions' logprobs: the number of alternatives per position (0: the sampled token's logprob only).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_not_streamed(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("stream"):
-            raise ValueError("echo cannot be streamed yet; send the request with stream false")
-        return v
 
     @field_validator("suffix")
     @classmethod
@@ -510,12 +498,8 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.err_type, self.param, self.code)
-
-
-def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    def body(self) -> ErrorResponse:
+        return error_response(self.message, self.err_type, self.param, self.code)
 
 
 def from_validation_error(e: ValidationError) -> APIError:
@@ -552,183 +536,3 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise from_validation_error(e) from None
     except RecursionError:
         raise too_deep from None
-
-
-# ---- responses ------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def token_strings(tokenizer, token_ids: Sequence[int]) -> list[str]:
-    """Each token's own text, as the logprobs bodies name it (a token that ends inside a multi-byte character
-    decodes to U+FFFD, as in vLLM)."""
-    return [tokenizer.decode([t]) for t in token_ids]
-
-
-#: Per position, its most likely tokens as (text, logprob), most likely first (None: a position with none).
-NamedAlternatives = Sequence[Sequence[tuple[str, float]] | None]
-
-
-def alternative_strings(
-    tokenizer, alternatives: Sequence[Sequence[tuple[int, float]]]
-) -> list[list[tuple[str, float]]]:
-    """The engine's (token id, logprob) alternatives with each token's text, decoded in one pass."""
-    texts = iter(token_strings(tokenizer, [t for position in alternatives for t, _ in position]))
-    return [[(next(texts), lp) for _, lp in position] for position in alternatives]
-
-
-def _by_text(position: Sequence[tuple[str, float]] | None) -> dict[str, float] | None:
-    """Completions' {text: logprob}: two tokens with the same text (e.g. both U+FFFD) keep the likelier one."""
-    if position is None:
-        return None
-    named: dict[str, float] = {}
-    for text, logprob in position:
-        named.setdefault(text, logprob)
-    return named
-
-
-def logprobs_body(
-    kind: Literal["completion", "chat"],
-    tokens: Sequence[str],
-    logprobs: Sequence[float | None],
-    text_offset: int = 0,
-    alternatives: NamedAlternatives | None = None,
-) -> dict[str, Any]:
-    """The ``logprobs`` of a choice (or of one stream chunk): completions' ``tokens``, ``token_logprobs``,
-    ``text_offset`` (characters into the completion, from ``text_offset``) and ``top_logprobs`` (a {text: logprob}
-    per position, or null when none were asked); chat's ``token``, ``logprob``, UTF-8 ``bytes`` and ``top_logprobs``
-    (the same three for each alternative) per token. ``alternatives``: per position, from ``alternative_strings``."""
-    if kind == "completion":
-        offsets = []
-        for t in tokens:
-            offsets.append(text_offset)
-            text_offset += len(t)
-        top = [_by_text(position) for position in alternatives] if alternatives is not None else None
-        return {"tokens": list(tokens), "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
-    positions = alternatives if alternatives is not None else [()] * len(tokens)
-    return {
-        "content": [
-            {
-                "token": t,
-                "logprob": lp,
-                "bytes": list(t.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))} for a, alp in alts or ()
-                ],
-            }
-            for t, lp, alts in zip(tokens, logprobs, positions, strict=True)
-        ]
-    }
-
-
-def completion_choice(
-    kind: Literal["completion", "chat"],
-    text: str,
-    finish_reason: str | None,
-    token_ids: list[int] | None,
-    logprobs: Sequence[float | None] | None,
-    stream: bool,
-    tokens: list[str] | None = None,
-    alternatives: NamedAlternatives | None = None,
-    echo: PromptEcho | None = None,
-    tool_calls: Sequence[ToolCall] = (),
-) -> dict[str, Any]:
-    """One choice; ``tokens``: the sampled tokens' texts (``token_strings``), needed with ``logprobs``;
-    ``alternatives``: each position's most likely tokens, when the request asked for them; ``echo``: the prompt,
-    put before the completion (completions' ``echo``); ``tool_calls``: the calls found in a chat output (its
-    ``content`` is then what is left, null when nothing)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-    if echo is not None:
-        text = echo.text + text
-        if logprobs is not None:
-            tokens, logprobs = echo.tokens + (tokens or []), [*echo.logprobs, *logprobs]
-            alternatives = [*echo.alternatives, *alternatives] if alternatives is not None else None
-    lp_body = logprobs_body(kind, tokens or [], logprobs, 0, alternatives) if logprobs is not None else None
-    if kind == "completion":
-        choice["text"] = text
-        choice["logprobs"] = lp_body
-    else:
-        key = "delta" if stream else "message"
-        choice[key] = {"role": "assistant", "content": text}
-        if tool_calls:
-            choice[key]["content"] = text or None
-            choice[key]["tool_calls"] = [c.body() for c in tool_calls]
-            if stream:  # stream deltas carry each call's index
-                for i, c in enumerate(choice[key]["tool_calls"]):
-                    c["index"] = i
-        choice["logprobs"] = lp_body
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-@dataclass(frozen=True)
-class PromptEcho:
-    """What a completions choice shows of its prompt with ``echo``: its text and, when the request asked for
-    logprobs, its tokens' texts, logprobs (None for the first token, which nothing predicts) and alternatives."""
-
-    text: str
-    tokens: list[str]
-    logprobs: list[float | None]
-    alternatives: list[list[tuple[str, float]] | None]
-
-
-def prompt_echo(
-    tokenizer, prompt: str | list[int], prompt_ids: Sequence[int], scores: Sequence[TokenScore] | None
-) -> PromptEcho:
-    """``prompt``: as the request gave it (a text is echoed as sent, token ids as they decode); ``scores``: the
-    engine's ``prompt_logprobs`` for tokens 1.. (None: no logprobs asked)."""
-    text = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt_ids))
-    if scores is None:
-        return PromptEcho(text, [], [], [])
-    alternatives: list[list[tuple[str, float]] | None] = [None]
-    alternatives += alternative_strings(tokenizer, [s.top for s in scores])
-    return PromptEcho(text, token_strings(tokenizer, prompt_ids), [None, *(s.logprob for s in scores)], alternatives)
-
-
-def prompt_logprobs_body(
-    tokenizer, prompt_ids: Sequence[int], scores: Sequence[TokenScore]
-) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token ``{token id: {logprob, rank,
-    decoded_token}}`` for the token itself and its position's alternatives."""
-    positions = list(zip(prompt_ids[1:], scores, strict=True))
-    named = [(token, *(alt for alt, _ in s.top)) for token, s in positions]
-    texts = iter(token_strings(tokenizer, [t for ids in named for t in ids]))  # decoded in one pass
-    body: list[dict[str, dict[str, Any]] | None] = [None]
-    for token, s in positions:
-        entry = {str(token): {"logprob": s.logprob, "rank": s.rank, "decoded_token": next(texts)}}
-        for rank, (alt, alt_lp) in enumerate(s.top, start=1):
-            alt_text = next(texts)  # consumed even when the alternative is the token itself
-            entry.setdefault(str(alt), {"logprob": alt_lp, "rank": rank, "decoded_token": alt_text})
-        body.append(entry)
-    return body
-
-
-def lift_prompt_logprobs(kind: Literal["completion", "chat"], body: dict[str, Any]) -> None:
-    """Where vLLM puts ``prompt_logprobs``: in each completions choice (each has its prompt), at the top of a chat
-    response (its choices share one prompt)."""
-    if kind == "chat" and body["choices"] and "prompt_logprobs" in body["choices"][0]:
-        body["prompt_logprobs"] = body["choices"][0]["prompt_logprobs"]
-        for choice in body["choices"]:
-            choice.pop("prompt_logprobs", None)
-
-
-def response_envelope(kind: Literal["completion", "chat"], rid: str, model: str, stream: bool) -> dict[str, Any]:
-    obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if stream else "chat.completion"}[kind]
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()

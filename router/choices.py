@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cluster.openai_protocol import APIError, usage
+from cluster.openai_protocol import APIError
+from cluster.openai_responses import ChoiceContent, Usage, usage
 from cluster.serving.messages import Started
 from router.streaming import DONE, sse_event
 
@@ -46,13 +47,13 @@ async def end_all(runs: Sequence[RequestRun]) -> None:
     await asyncio.gather(*(r._end("cancelled") for r in runs), return_exceptions=True)
 
 
-async def collect_all(runs: Sequence[RequestRun]) -> list[dict[str, Any]]:
+async def collect_all(runs: Sequence[RequestRun]) -> list[ChoiceContent]:
     """The choices in ``index`` order; the first failure cancels the rest and is raised."""
     found = await _all_or_none([r.collect_choice() for r in runs])
-    return sorted(found, key=lambda c: c["index"])
+    return sorted(found, key=lambda c: c.index)
 
 
-def total_usage(runs: Sequence[RequestRun], n: int) -> dict[str, Any]:
+def total_usage(runs: Sequence[RequestRun], n: int) -> Usage:
     """Each prompt's tokens once (its n sequences share it), every sequence's output tokens."""
     firsts = [r for r in runs if r.index % n == 0]
     return usage(

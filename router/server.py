@@ -42,15 +42,30 @@ from cluster.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    alternative_strings,
-    completion_choice,
-    error_body,
-    lift_prompt_logprobs,
-    new_id,
     parse_body,
+)
+from cluster.openai_responses import (
+    ChatCompletionResponse,
+    ChoiceContent,
+    CompletionResponse,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    PromptEcho,
+    TokenizeResponse,
+    TypedJSONResponse,
+    Usage,
+    VersionResponse,
+    alternative_strings,
+    error_response,
+    given,
+    model_card,
+    new_id,
     prompt_echo,
     prompt_logprobs_body,
-    response_envelope,
+    response,
+    stream_chunk,
     token_strings,
     usage,
 )
@@ -68,6 +83,7 @@ from router.streaming import DONE, ChunkEncoder, sse_event
 
 if TYPE_CHECKING:
     from cluster.engine.llm_engine import RequestOutput
+    from cluster.scores import TokenScore
 
 log = logging.getLogger("ray.serve")
 
@@ -182,8 +198,8 @@ class OpenAIServer:
             if not any(s.pool == "prefill" and s.healthy for s in self.pool_stats):
                 missing.append("prefill")
         if missing:
-            return JSONResponse({"status": "unavailable", "missing": missing}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return TypedJSONResponse(HealthResponse(status="unavailable", missing=missing), status_code=503)
+        return TypedJSONResponse(HealthResponse(status="ok"))
 
     async def metrics_page(self) -> Response:
         await self._refresh_pools()
@@ -195,42 +211,17 @@ class OpenAIServer:
         stats = await self._refresh_pools()
         return JSONResponse({"replicas": [s.as_dict() for s in stats]})
 
-    def _card(self, name: str) -> dict[str, Any]:
-        """A model card as vLLM writes it (its benchmark client reads ``root``)."""
-        return {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "shapeserve",
-            "root": self.model_dir,
-            "parent": None,
-            "max_model_len": self.limits.max_model_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{name}",
-                    "object": "model_permission",
-                    "created": 0,
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
-        }
+    def _card(self, name: str) -> ModelCard:
+        return model_card(name, self.model_dir, self.limits.max_model_len)
 
     async def models(self) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card(n) for n in self.config.served_model_names]})
+        return TypedJSONResponse(ModelList(object="list", data=[self._card(n) for n in self.config.served_model_names]))
 
     async def model_card(self, model_id: str) -> Response:
-        return JSONResponse(self._card(self._check_model(model_id)))
+        return TypedJSONResponse(self._card(self._check_model(model_id)))
 
     async def version(self) -> Response:
-        return JSONResponse({"version": _VERSION})
+        return TypedJSONResponse(VersionResponse(version=_VERSION))
 
     async def tokenize(self, request: Request) -> Response:
         req: TokenizeRequest = parse_body(await self._read_body(request), TokenizeRequest)
@@ -245,10 +236,11 @@ class OpenAIServer:
             text = req.prompt or ""
             encode = functools.partial(encode_prompt, self.tokenizer, text, req.add_special_tokens)
             tokens = await self._encode(encode, len(text), "prompt")
-        body: dict[str, Any] = {"count": len(tokens), "max_model_len": self.limits.max_model_len, "tokens": tokens}
-        if req.return_token_strs:
-            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
-        return JSONResponse(body)
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        body = TokenizeResponse(
+            count=len(tokens), max_model_len=self.limits.max_model_len, tokens=tokens, **given(token_strs=strs)
+        )
+        return TypedJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:
         req: DetokenizeRequest = parse_body(await self._read_body(request), DetokenizeRequest)
@@ -258,7 +250,7 @@ class OpenAIServer:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
+        return TypedJSONResponse(DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)))
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_body(await self._read_body(request), CompletionRequest)
@@ -352,7 +344,7 @@ class OpenAIServer:
         except APIError as e:
             e.headers.update(headers)
             raise
-        return JSONResponse(body, headers=headers)
+        return TypedJSONResponse(body, headers=headers)
 
     async def _serve_choices(
         self, kind: str, req, prompts: list[list[int]], model_name: str, rid: str, arrival: float
@@ -379,14 +371,12 @@ class OpenAIServer:
         if req.stream:
             return StreamingResponse(choices.stream_all(runs, req.n), media_type="text/event-stream", headers=headers)
         try:
-            body = response_envelope(kind, rid, model_name, stream=False)  # type: ignore[arg-type]
-            body["choices"] = await choices.collect_all(runs)
-            lift_prompt_logprobs(kind, body)  # type: ignore[arg-type]
+            contents = await choices.collect_all(runs)
         except APIError as e:
             e.headers.update(headers)
             raise
-        body["usage"] = choices.total_usage(runs, req.n)
-        return JSONResponse(body, headers=headers)
+        body = response(kind, rid, model_name, contents, choices.total_usage(runs, req.n))  # type: ignore[arg-type]
+        return TypedJSONResponse(body, headers=headers)
 
     def upstream_error(self, e: BaseException) -> APIError:
         if isinstance(e, APIError):
@@ -502,17 +492,23 @@ class RequestRun:
             self.s.admission.release(self.ticket, len(self.plan.prompt_token_ids) + self.num_output)
             self.s.metrics.observe_finished(self.timing, outcome, len(self.plan.prompt_token_ids))
 
-    def _usage(self) -> dict[str, Any]:
+    def _usage(self) -> Usage:
         return usage(len(self.plan.prompt_token_ids), self.num_output, self.num_cached)
 
-    async def collect(self) -> dict[str, Any]:
-        body = response_envelope(self.kind, self.rid, self.model_name, stream=False)  # type: ignore[arg-type]
-        body["choices"] = [await self.collect_choice()]
-        lift_prompt_logprobs(self.kind, body)  # type: ignore[arg-type]
-        body["usage"] = self._usage()
-        return body
+    async def collect(self) -> CompletionResponse | ChatCompletionResponse:
+        content = await self.collect_choice()
+        return response(self.kind, self.rid, self.model_name, [content], self._usage())  # type: ignore[arg-type]
 
-    async def collect_choice(self) -> dict[str, Any]:
+    def _echo(self, scores: Sequence[TokenScore] | None) -> PromptEcho | None:
+        """Completions' ``echo``: the prompt this choice answers, with its logprobs when the request asks for
+        logprobs (``scores``: the engine's, from the request's first output)."""
+        if self.kind != "completion" or not self.req.echo:
+            return None
+        prompt = self.req.prompts[self.index // self.req.n]
+        want = self.req._want_logprobs()
+        return prompt_echo(self.s.tokenizer, prompt, self.plan.prompt_token_ids, (scores or ()) if want else None)
+
+    async def collect_choice(self) -> ChoiceContent:
         """The whole choice, once the request finished (raises APIError if it failed)."""
         text: list[str] = []
         ids: list[int] = []
@@ -538,26 +534,22 @@ class RequestRun:
                 content = found or ""
                 # OpenAI: "tool_calls" when the model chose to call; a forced function ends with "stop".
                 finish = "tool_calls" if self.tool_mode.kind != "named" else finish
-        echo = None
-        if self.kind == "completion" and self.req.echo:
-            prompt = self.req.prompts[self.index // self.req.n]
-            echo = prompt_echo(tok, prompt, prompt_ids, (prompt_scores or ()) if want_logprobs else None)
-        choice = completion_choice(
-            self.kind,  # type: ignore[arg-type]
-            content,
-            finish,
-            ids if self.req.return_token_ids else None,
-            lps if want_logprobs else None,
-            False,
-            token_strings(tok, ids) if want_logprobs else None,
-            alternative_strings(tok, alternatives) if self.req._top_logprobs() else None,
-            echo,
-            calls,
+        return ChoiceContent(
+            index=self.index,
+            text=content,
+            finish_reason=finish,
+            token_ids=ids if self.req.return_token_ids else None,
+            logprobs=lps if want_logprobs else None,
+            tokens=token_strings(tok, ids) if want_logprobs else None,
+            alternatives=alternative_strings(tok, alternatives) if self.req._top_logprobs() else None,
+            echo=self._echo(prompt_scores),
+            tool_calls=calls,
+            prompt_logprobs=(
+                prompt_logprobs_body(tok, prompt_ids, prompt_scores or ())
+                if self.req.prompt_logprobs is not None
+                else None
+            ),
         )
-        choice["index"] = self.index
-        if self.req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_body(tok, prompt_ids, prompt_scores or ())
-        return choice
 
     def encoder(self, created: int) -> ChunkEncoder:
         return ChunkEncoder(
@@ -577,9 +569,12 @@ class RequestRun:
 
     async def chunks(self, encoder: ChunkEncoder) -> AsyncGenerator[bytes, None]:
         """The request's SSE events, one per engine step (raises APIError when it fails)."""
+        first = True
         async with aclosing(self.batches()) as batches:
             async for batch in batches:
-                yield encoder.chunk(batch)
+                # The prompt's scores come with the request's first output.
+                yield encoder.chunk(batch, self._echo(batch[0].prompt_logprobs) if first else None)
+                first = False
 
     async def sse(self) -> AsyncIterator[bytes]:
         if self.tool_mode.kind != "none":
@@ -600,20 +595,15 @@ class RequestRun:
         """A chat stream with tools: calls can only be parsed from the whole output, so the choice is sent as one
         delta (content and/or tool_calls) once the output is complete."""
         try:
-            choice = await self.collect_choice()
+            content = await self.collect_choice()
         except APIError as e:
             yield sse_event(e.body()) + DONE
             return
-        choice["delta"] = choice.pop("message")
-        for i, call in enumerate(choice["delta"].get("tool_calls") or []):
-            call["index"] = i
-        body = response_envelope(self.kind, self.rid, self.model_name, stream=True)  # type: ignore[arg-type]
-        body["choices"] = [choice]
-        usage_event = b""
-        if self.req.include_usage:
-            body["usage"] = None
-            usage_event = sse_event({**body, "choices": [], "usage": self._usage()})
-        yield sse_event(body) + usage_event + DONE
+        created, include_usage, name = int(time.time()), self.req.include_usage, self.model_name
+        events = [stream_chunk("chat", self.rid, name, created, [content], include_usage=include_usage)]
+        if include_usage:
+            events.append(stream_chunk("chat", self.rid, name, created, [], include_usage=True, usage=self._usage()))
+        yield b"".join(b"data: " + e.to_json() + b"\n\n" for e in events) + DONE
 
 
 def _user_errors(fn: Callable[[], Any]) -> Any:
@@ -626,25 +616,26 @@ def _user_errors(fn: Callable[[], Any]) -> Any:
 # ---- error bodies (OpenAI's shape on every error) ----------------------------------------------
 
 
-async def _api_error(request: Request, e: Exception) -> JSONResponse:
+async def _api_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, APIError)
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return TypedJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _http_error(request: Request, e: Exception) -> JSONResponse:
+async def _http_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, StarletteHTTPException)
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
     message = {
         404: f"no route {request.url.path!r}; see /v1/models, /v1/completions, /v1/chat/completions",
         405: f"{request.method} is not allowed on {request.url.path!r}",
     }.get(e.status_code, str(e.detail))
-    return JSONResponse(error_body(message, kind), status_code=e.status_code, headers=getattr(e, "headers", None))
+    headers = getattr(e, "headers", None)
+    return TypedJSONResponse(error_response(message, kind), status_code=e.status_code, headers=headers)
 
 
-async def _validation_error(request: Request, e: Exception) -> JSONResponse:
-    return JSONResponse(error_body(f"invalid request: {e}", "invalid_request_error"), status_code=400)
+async def _validation_error(request: Request, e: Exception) -> Response:
+    return TypedJSONResponse(error_response(f"invalid request: {e}", "invalid_request_error"), status_code=400)
 
 
-async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+async def _internal_error(request: Request, e: Exception) -> Response:
     log.exception("unhandled error")
-    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+    return TypedJSONResponse(error_response(f"internal error: {type(e).__name__}", "server_error"), status_code=500)

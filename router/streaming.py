@@ -4,16 +4,21 @@ The envelope of every chunk of a request (id, object, created, model, index) is 
 is encoded once; each step only JSON-encodes the new text (and token ids / logprobs when asked
 for). All outputs that reached the request since its last write go out as one event, in one
 write: the streaming cost per client is one small encode and one send per engine step.
-The chunks are the same JSON ``cluster.openai_protocol`` builds for the non-streaming bodies.
+Each event is exactly the typed ``CompletionChunk`` / ``ChatCompletionChunk`` of ``cluster.openai_responses``
+(a test holds them equal), written from a template instead: building the model per step would cost the hot
+path a validation of every field.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from cluster.openai_protocol import NamedAlternatives, logprobs_body
+from cluster.openai_responses import NamedAlternatives, PromptEcho, Usage, logprobs_body
+
+if TYPE_CHECKING:
+    from cluster.openai_responses import ErrorResponse
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -39,8 +44,9 @@ class Output(Protocol):
     def finish_reason(self) -> str | None: ...
 
 
-def sse_event(payload: dict[str, Any] | str) -> bytes:
-    return b"data: " + (payload if isinstance(payload, str) else _dumps(payload)).encode() + b"\n\n"
+def sse_event(body: ErrorResponse) -> bytes:
+    """A whole body as one event (an error ending a stream)."""
+    return b"data: " + body.to_json() + b"\n\n"
 
 
 class ChunkEncoder:
@@ -77,8 +83,9 @@ class ChunkEncoder:
         self._tail = ("}]" + (',"usage":null' if include_usage else "") + "}\n\n").encode()
         self._first = True
 
-    def chunk(self, outputs: Sequence[Output]) -> bytes:
-        """One SSE event for all of ``outputs`` (text joined, ids and logprobs concatenated)."""
+    def chunk(self, outputs: Sequence[Output], echo: PromptEcho | None = None) -> bytes:
+        """One SSE event for all of ``outputs`` (text joined, ids and logprobs concatenated). ``echo``: the
+        prompt, sent before the first outputs (completions' ``echo``; with logprobs, the prompt's go first)."""
         if len(outputs) == 1:
             out = outputs[0]
             text, ids, lps, finish = out.new_text, out.new_token_ids, out.new_logprobs, out.finish_reason
@@ -91,10 +98,16 @@ class ChunkEncoder:
         lp_json = b"null"
         if self.logprobs:
             tokens = self.token_text(ids) if self.token_text is not None else [""] * len(lps)
-            alternatives = None
+            all_lps: Sequence[float | None] = lps
+            alternatives: NamedAlternatives | None = None
             if self.alternatives_text is not None:
                 alternatives = self.alternatives_text([a for o in outputs for a in o.new_top_logprobs])
-            lp_json = _dumps(logprobs_body(self.kind, tokens, lps, self._text_sent, alternatives)).encode()
+            if echo is not None:
+                tokens, all_lps = [*echo.tokens, *tokens], [*echo.logprobs, *lps]
+                alternatives = [*echo.alternatives, *alternatives] if alternatives is not None else None
+            lp_json = logprobs_body(self.kind, tokens, all_lps, self._text_sent, alternatives).to_json()
+        if echo is not None:
+            text = echo.text + text
         if self.kind == "completion":
             parts += [b',"text":', _dumps(text).encode(), b',"logprobs":', lp_json]
         else:
@@ -108,5 +121,5 @@ class ChunkEncoder:
         self._first = False
         return b"".join(parts)
 
-    def usage(self, usage: dict[str, Any]) -> bytes:
-        return b"data: " + (self._envelope + ',"choices":[],"usage":' + _dumps(usage) + "}").encode() + b"\n\n"
+    def usage(self, usage: Usage) -> bytes:
+        return b"data: " + (self._envelope + ',"choices":[],"usage":').encode() + usage.to_json() + b"}\n\n"

@@ -21,19 +21,20 @@ from pydantic import BaseModel
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ShapeserveError
-from cluster.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from cluster.openai_responses import (
+    BatchLineError,
+    BatchOutputLine,
+    BatchResponse,
+    ChoiceContent,
     PromptEcho,
+    PromptLogprobs,
     alternative_strings,
-    completion_choice,
-    lift_prompt_logprobs,
+    error_response,
     new_id,
-    parse_body,
     prompt_echo,
     prompt_logprobs_body,
-    response_envelope,
+    response,
     token_strings,
     usage,
 )
@@ -50,7 +51,7 @@ _ENDPOINTS: dict[str, tuple[Literal["completion", "chat"], type[BaseModel]]] = {
 @dataclass
 class _Line:
     index: int
-    custom_id: str | None
+    custom_id: Any
     kind: Literal["completion", "chat"] = "completion"
     request: BaseModel | None = None
     return_token_ids: bool = False
@@ -71,7 +72,7 @@ class _Line:
     prompt_scores: tuple[TokenScore, ...] = ()
     #: What the choice shows of the prompt: echoed text and tokens, vLLM's ``prompt_logprobs`` body.
     echo: PromptEcho | None = None
-    prompt_logprobs_body: list[Any] | None = None
+    prompt_logprobs_body: PromptLogprobs | None = None
     tool_mode: ToolMode = ToolMode("none")
     tool_call_parser: str | None = None
     finish_reason: str | None = None
@@ -145,58 +146,51 @@ def _parse_line(
     return line, prompt_ids, params
 
 
-def _record(line: _Line, model_name: str) -> dict[str, Any]:
+def _record(line: _Line, model_name: str) -> BatchOutputLine:
     rid = f"batch_req_{uuid.uuid4().hex[:24]}"
     if line.error is not None:
-        return {
-            "id": rid,
-            "custom_id": line.custom_id,
-            "response": {
-                "status_code": line.error["status_code"],
-                "request_id": rid,
-                "body": {
-                    "error": {
-                        "message": line.error["message"],
-                        "type": "server_error" if line.error["status_code"] >= 500 else "invalid_request_error",
-                        "code": line.error["code"],
-                    }
-                },
-            },
-            "error": {"code": line.error["code"], "message": line.error["message"]},
-        }
-    body = response_envelope(
-        line.kind, new_id("cmpl" if line.kind == "completion" else "chatcmpl"), model_name, stream=False
-    )
+        status, code, message = line.error["status_code"], line.error["code"], line.error["message"]
+        err_type = "server_error" if status >= 500 else "invalid_request_error"
+        return BatchOutputLine(
+            id=rid,
+            custom_id=line.custom_id,
+            response=BatchResponse(
+                status_code=status, request_id=rid, body=error_response(message, err_type, code=code)
+            ),
+            error=BatchLineError(code=code, message=message),
+        )
     text, finish, calls = line.text, line.finish_reason, list[ToolCall]()
     if line.tool_mode.kind != "none":
         content, calls = parse_output(line.tool_mode, line.text, line.tool_call_parser)
         if calls:  # as the server answers: see router.server.RequestRun.collect_choice
             text = content or ""
             finish = "tool_calls" if line.tool_mode.kind != "named" else finish
-    body["choices"] = [
-        completion_choice(
-            line.kind,
-            text,
-            finish,
-            line.token_ids if line.return_token_ids else None,
-            line.logprobs if line.want_logprobs else None,
-            stream=False,
-            tokens=line.token_texts if line.want_logprobs else None,
-            alternatives=line.named_alternatives,
-            echo=line.echo,
-            tool_calls=calls,
-        )
-    ]
-    if line.prompt_logprobs_body is not None:
-        body["choices"][0]["prompt_logprobs"] = line.prompt_logprobs_body
-        lift_prompt_logprobs(line.kind, body)
-    body["usage"] = usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens)
-    return {
-        "id": rid,
-        "custom_id": line.custom_id,
-        "response": {"status_code": 200, "request_id": rid, "body": body},
-        "error": None,
-    }
+    choice = ChoiceContent(
+        index=0,
+        text=text,
+        finish_reason=finish,
+        token_ids=line.token_ids if line.return_token_ids else None,
+        logprobs=line.logprobs if line.want_logprobs else None,
+        tokens=line.token_texts if line.want_logprobs else None,
+        alternatives=line.named_alternatives,
+        echo=line.echo,
+        tool_calls=calls,
+        prompt_logprobs=line.prompt_logprobs_body,
+    )
+    rid_body = new_id("cmpl" if line.kind == "completion" else "chatcmpl")
+    body = response(
+        line.kind,
+        rid_body,
+        model_name,
+        [choice],
+        usage(line.num_prompt_tokens, len(line.token_ids), line.num_cached_tokens),
+    )
+    return BatchOutputLine(
+        id=rid,
+        custom_id=line.custom_id,
+        response=BatchResponse(status_code=200, request_id=rid, body=body),
+        error=None,
+    )
 
 
 def run_batch(
@@ -255,6 +249,6 @@ def run_batch(
         if isinstance(req, (CompletionRequest, ChatCompletionRequest)) and req.prompt_logprobs is not None:
             line.prompt_logprobs_body = prompt_logprobs_body(engine.tokenizer, line.prompt_ids, line.prompt_scores)
     for line in lines:
-        outfile.write(json.dumps(_record(line, model_name), ensure_ascii=False) + "\n")
+        outfile.write(_record(line, model_name).to_json().decode() + "\n")
     failed = sum(1 for line in lines if line.error is not None)
     return len(lines) - failed, failed

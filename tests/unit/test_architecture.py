@@ -22,6 +22,7 @@ VOCABULARY = {
     "cluster.prompting",
     "cluster.tokenizer",
     "cluster.openai_protocol",
+    "cluster.openai_responses",
     "cluster.scores",
     "cluster.grammar",
     "cluster.tool_calls",

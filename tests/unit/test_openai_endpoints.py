@@ -415,11 +415,26 @@ async def _echo(demo_model):
         chat_body = chat.json()
         # vLLM's place for it in chat: the response, not the choice
         assert chat_body["prompt_logprobs"][0] is None and "prompt_logprobs" not in chat_body["choices"][0]
-        for field, extra in (("echo", {"echo": True}), ("prompt_logprobs", {"prompt_logprobs": 1})):
-            r = await client.post(
-                "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True, **extra}
-            )
-            assert r.status_code == 400 and r.json()["error"]["param"] == field
+        # Streamed, echo puts the prompt (and its logprobs) in the first event; joined, the events equal the
+        # whole response.
+        stream = await api.completions.create(model="m", prompt="hello", max_tokens=2, echo=True, stream=True)
+        events = [c async for c in stream]
+        assert events[0].choices[0].text.startswith("hello")
+        assert "".join(c.choices[0].text for c in events) == plain.choices[0].text
+        stream = await api.completions.create(
+            model="m", prompt=prompt, max_tokens=2, echo=True, logprobs=1, stream=True
+        )
+        events = [c async for c in stream if c.choices]
+        assert "".join(c.choices[0].text for c in events) == choice.text
+        joined = {
+            name: [x for c in events for x in getattr(c.choices[0].logprobs, name)]
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
+        assert joined == {name: getattr(lp, name) for name in joined}
+        # As vLLM: the prompt_logprobs body is one for the whole prompt, which no stream event carries.
+        streamed = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+        r = await client.post("/v1/completions", json=streamed)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
 class PromptWorker(EchoWorker):

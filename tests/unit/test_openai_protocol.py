@@ -5,7 +5,8 @@ import json
 import pytest
 
 from cluster.errors import ConfigError, InvalidRequestError
-from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from cluster.openai_responses import error_response
 from cluster.serving.config import ServeConfig, load_serve_config, parse_serve_config
 
 
@@ -17,8 +18,9 @@ def test_malformed_json_is_400_with_openai_body():
     with pytest.raises(APIError) as e:
         parse_body(b"{not json", CompletionRequest)
     assert e.value.status == 400
-    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
-    assert e.value.body()["error"]["type"] == "invalid_request_error"
+    written = json.loads(e.value.body().to_json())
+    assert set(written["error"]) == {"message", "type", "param", "code"}
+    assert written["error"]["type"] == "invalid_request_error"
 
 
 def test_missing_field_names_it():
@@ -104,7 +106,12 @@ def test_chat_roles_outside_openai_are_400():
 
 
 def test_error_body_shape():
-    assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+    written = json.loads(error_response("m", "t", "p", "c").to_json())
+    assert written == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+    # param and code are always written, null when there is none (OpenAI's shape)
+    assert json.loads(error_response("m", "t").to_json()) == {
+        "error": {"message": "m", "type": "t", "param": None, "code": None}
+    }
 
 
 def test_serve_config_defaults_and_engine_config():
