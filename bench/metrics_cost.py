@@ -6,7 +6,12 @@
    step a request is in, ``observe_finished`` once per request), timed over many simulated requests of
    ``--output-tokens`` tokens: CPU microseconds per output token.
 2. One ``/metrics`` render (a scrape) with 8 replicas' stats, in milliseconds; at one scrape per 15 s.
-3. The baseline, measured in the same run: the offline engine's wall time per output token on the bench model
+3. Request tracing (``cluster.serving.tracing``) as the edge and the decode worker call it for a REMOTE
+   request (the root and admission spans, the decode side's queue / remote-prefill / decode spans, the prefill
+   side's three), off (the default: no exporter configured) and on (an SDK provider with a batching processor
+   whose exporter drops the spans, so only our side and the SDK's are counted): CPU microseconds per output
+   token, background export thread included.
+4. The baseline, measured in the same run: the offline engine's wall time per output token on the bench model
    (hidden 512, 8 layers, vocab 32000, float32; 32 prompts of 64 tokens, ``--output-tokens`` each).
 
 The metrics run on the replica's event loop beside the engine, so their CPU per token over the engine's time per
@@ -61,6 +66,68 @@ def render_ms(replicas: int = 8, scrapes: int = 50) -> float:
     return (time.process_time() - t0) / scrapes * 1e3
 
 
+class _Dropped:
+    """A span exporter that drops what it is given (the SDK's work up to the export is what is timed)."""
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def tracing_us_per_token(output_tokens: int, enabled: bool, requests: int = 1000) -> float:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from cluster.engine.llm_engine import RequestOutput
+    from cluster.serving import tracing
+    from decode_workers.request_spans import RequestSpans
+
+    provider = None
+    if enabled:
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(_Dropped()))  # type: ignore[arg-type]
+    tracing.use_provider(provider)
+
+    def output(n: int, scheduled: float | None, finished: bool) -> RequestOutput:
+        return RequestOutput("r", (5,), "a", (), finished, "length" if finished else None, 64, n, 0, None, (), None,
+                             scheduled)  # fmt: skip
+
+    # Built before the clock starts: the engine makes them whether or not anything traces.
+    outputs = [(output(1, None, False),)] + [
+        (output(n, None, n == output_tokens),) for n in range(2, output_tokens + 1)
+    ]
+    t0 = time.process_time()
+    for i in range(requests):
+        trace = tracing.RequestTrace("/v1/completions", time.time_ns(), {"shapeserve.request_id": f"cmpl-{i}"})
+        trace.admission(time.time_ns(), {"shapeserve.route": "remote"})
+        trace.run_started()
+        spans = RequestSpans(trace.context)
+        spans.waited_for_blocks()
+        # the decode side's prefill attempt, and the prefill replica's spans under it
+        attempt = tracing.start_child("shapeserve.remote_prefill", trace.context, attributes={"attempt": 0})
+        remote = tracing.context_of(attempt)
+        now = time.time_ns()
+        tracing.record("shapeserve.queue", remote, now, now)
+        tracing.record("shapeserve.prefill", remote, now, now, {"shapeserve.prompt_tokens": 64})
+        tracing.record("shapeserve.kv_transfer", remote, now, now, {"shapeserve.kv_bytes": 1 << 20})
+        tracing.end(attempt, attributes={"shapeserve.kv_bytes": 1 << 20})
+        for batch in outputs:
+            spans.outputs(batch)
+        spans.end()
+        trace.run_ended("ok", {"shapeserve.output_tokens": output_tokens})
+    if provider is not None:
+        provider.shutdown()  # the export thread's work is in this process's CPU time too
+    tracing.use_provider(None)
+    return (time.process_time() - t0) / (requests * output_tokens) * 1e6
+
+
 def engine_us_per_token(model_dir: str, output_tokens: int) -> float:
     from cluster.engine.llm_engine import LLMEngine
 
@@ -86,16 +153,26 @@ def main() -> int:
     args = ap.parse_args()
     model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
     print(machine_line())
-    rows: dict[str, list[float]] = {"metrics us/token": [], "render ms/scrape": [], "engine us/token": []}
+    rows: dict[str, list[float]] = {
+        "metrics us/token": [],
+        "render ms/scrape": [],
+        "tracing off us/token": [],
+        "tracing on us/token": [],
+        "engine us/token": [],
+    }
     for _ in range(args.repeats):
         rows["metrics us/token"].append(observe_us_per_token(args.output_tokens))
         rows["render ms/scrape"].append(render_ms())
+        rows["tracing off us/token"].append(tracing_us_per_token(args.output_tokens, enabled=False))
+        rows["tracing on us/token"].append(tracing_us_per_token(args.output_tokens, enabled=True))
         rows["engine us/token"].append(engine_us_per_token(model_dir, args.output_tokens))
     print(f"\n{'':32} {'min':>9} {'median':>9} {'max':>9}")
     for name, values in rows.items():
         print(f"{name:32} {min(values):9.2f} {statistics.median(values):9.2f} {max(values):9.2f}")
+    for name in ("metrics", "tracing off", "tracing on"):
+        share = [m / e for m, e in zip(rows[f"{name} us/token"], rows["engine us/token"], strict=True)]
+        print(f"{name + ' / engine time per token':32} " + " ".join(f"{100 * v:8.3f}%" for v in _spread(share)))
     shares = [m / e for m, e in zip(rows["metrics us/token"], rows["engine us/token"], strict=True)]
-    print(f"{'metrics / engine time per token':32} " + " ".join(f"{100 * v:8.2f}%" for v in _spread(shares)))
     engine_us = statistics.median(rows["engine us/token"])
     scrape_share = statistics.median(rows["render ms/scrape"]) * 1e3 / 15e6  # one scrape's CPU per 15 s of serving
     print(

@@ -88,8 +88,10 @@ class PrefillServer:
 
     async def __init__(self, config: ServeConfig, model_dir: str, board, num_threads: int):  # type: ignore[misc]
         # Imported here, in the replica: the driver that builds the app never loads torch or the model code.
+        from cluster.serving import tracing
         from prefill_workers.replica import PrefillWorker
 
+        tracing.configure(config.tracing, "prefill")
         self.worker: PrefillWorker = await PrefillWorker.start(config, model_dir, board, replica_id(), num_threads)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -116,10 +118,12 @@ class DecodeServer:
 
     async def __init__(self, config: ServeConfig, model_dir: str, prefill, board, num_threads: int):  # type: ignore[misc]
         # Imported here, in the replica: the driver that builds the app never loads torch or the model code.
+        from cluster.serving import tracing
         from cluster.serving.direct_ingress import allow_rebind_after_crash
         from decode_workers.replica import DecodeWorker
         from router.server import OpenAIServer
 
+        tracing.configure(config.tracing, "decode")
         allow_rebind_after_crash()  # before Serve starts this replica's HTTP server (after __init__)
 
         kv_host = node_ip() if prefill is not None and config.kv_transfer_host is None else None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.engine.llm_engine import RemoteKVReservation
+from cluster.serving import tracing
 from cluster.serving.async_engine import AsyncEngine
 from cluster.serving.config import TimeoutConfig
 from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Route
@@ -107,8 +108,16 @@ class RemotePrefill:
         skip = self.reservation.num_cached_tokens // self.block_size
         lease = self.lease = self.receiver.open_lease(task.request_id, self.reservation.block_ids[skip:], skip)
         deadline = min(task.deadline, time.time() + self.timeouts.prefill_timeout_s)
+        span = tracing.start_child("shapeserve.remote_prefill", task.trace_context, attributes={"attempt": attempt})
         ptask = PrefillTask(
-            task.request_id, task.prompt_token_ids, task.params, deadline, lease, task.block_hashes, attempt
+            task.request_id,
+            task.prompt_token_ids,
+            task.params,
+            deadline,
+            lease,
+            task.block_hashes,
+            attempt,
+            trace_context=tracing.context_of(span),
         )
         self.outcome = dataclasses.replace(self.outcome, attempts=attempt + 1)
         started = time.perf_counter()
@@ -120,10 +129,12 @@ class RemotePrefill:
                 raise RuntimeError(f"the prefill replica answered but lease {lease.lease_id} is {ended}")
         except asyncio.CancelledError:
             response.cancel()
+            tracing.end(span, error="cancelled")
             raise
         except Exception as e:  # dead replica, deadline, broken transfer: failed before the first token  # noqa: BLE001
             response.cancel()
             self.close()
+            tracing.end(span, error=repr(e))
             self.outcome = dataclasses.replace(self.outcome, failures=self.outcome.failures + 1)
             log.warning(
                 "prefill of %s failed (attempt %d/%d): %r",
@@ -134,6 +145,8 @@ class RemotePrefill:
             )
             return None
         self.lease = None  # completed: nothing left to end
+        done = {"shapeserve.prefill_replica": result.replica_id, "shapeserve.kv_bytes": result.num_bytes}
+        tracing.end(span, attributes=done)
         self.outcome = dataclasses.replace(
             self.outcome,
             transferred=True,

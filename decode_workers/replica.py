@@ -31,6 +31,7 @@ from cluster.serving.messages import (
 )
 from cluster.serving.replica_lifecycle import ReplicaReporter, transfer_config
 from decode_workers.remote_prefill import PrefillOutcome, RemotePrefill
+from decode_workers.request_spans import RequestSpans
 from kv_transfer import KVReceiver, PagedKV
 
 log = logging.getLogger("ray.serve")
@@ -93,8 +94,10 @@ class DecodeWorker:
         if task.route is Route.REMOTE and self.prefill is not None and self.receiver is not None:
             timeouts = self.config.timeouts
             remote = RemotePrefill(task, self.engine, self.receiver, self.prefill, timeouts, self.block_size)
+        spans = RequestSpans(task.trace_context)
         try:
             if remote is not None and await remote.reserve():
+                spans.waited_for_blocks()
                 yield Started(Route.REMOTE, self.replica_id)
                 await remote.run()
             else:
@@ -103,10 +106,12 @@ class DecodeWorker:
                 yield Started(Route.LOCAL, self.replica_id)
             while True:
                 batch = (await stream.get(), *stream.get_ready())
+                spans.outputs(batch)
                 yield batch
                 if batch[-1].finished:
                     return
         finally:
+            spans.end()
             deadline.cancel()
             if remote is not None:
                 remote.close()  # before the blocks are freed: no late write can land in them

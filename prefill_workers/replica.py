@@ -16,6 +16,7 @@ import os
 import time
 
 from cluster.engine.llm_engine import LLMEngine
+from cluster.serving import tracing
 from cluster.serving.async_engine import AsyncEngine
 from cluster.serving.config import ServeConfig
 from cluster.serving.messages import PrefillResult, PrefillRoutingStats, PrefillTask, ReplicaStats, TransferCounters
@@ -70,16 +71,39 @@ class PrefillWorker:
 
     async def _prefill(self, task: PrefillTask) -> PrefillResult:
         rid = task.request_id
+        arrived_ns = time.time_ns()
         params = dataclasses.replace(task.params, max_tokens=1, stop=(), ignore_eos=True)
         stream = await self.engine.add_request(rid, list(task.prompt_token_ids), params, hold_kv_on_finish=True)
         out = await stream.get()  # max_tokens=1: the first output is the last
+        computed_ns = time.time_ns()
+        if out.first_scheduled_at is not None:
+            scheduled_ns = int(out.first_scheduled_at * 1e9)
+            tracing.record("shapeserve.queue", task.trace_context, arrived_ns, scheduled_ns)
+            prompt = {
+                "shapeserve.prompt_tokens": out.num_prompt_tokens,
+                "shapeserve.cached_tokens": out.num_cached_tokens,
+            }
+            tracing.record("shapeserve.prefill", task.trace_context, scheduled_ns, computed_ns, prompt, out.error)
         if out.error is not None:  # the decode side retries elsewhere or prefills locally
             raise RuntimeError(f"prefill of {rid} failed in the engine: {out.error}")
         t0 = time.perf_counter()
         lease = task.lease
         ids = (await self.engine.held_kv_blocks(rid))[lease.first_block :]
         # Blocking (bounded by the lease deadline): gathers held blocks, pushes, completes the lease.
-        sent = await asyncio.to_thread(self.sender.send, lease, ids)
+        transfer = tracing.start_child("shapeserve.kv_transfer", task.trace_context)
+        try:
+            sent = await asyncio.to_thread(self.sender.send, lease, ids)
+        except BaseException as e:
+            tracing.end(transfer, error=repr(e))
+            raise
+        tracing.end(
+            transfer,
+            attributes={
+                "shapeserve.kv_transport": sent.transport,
+                "shapeserve.kv_bytes": sent.nbytes,
+                "shapeserve.kv_blocks": sent.num_blocks,
+            },
+        )
         c = self.counters
         self._count(
             transfers=c.transfers + 1,

@@ -61,7 +61,6 @@ from cluster.openai_responses import (
     error_response,
     given,
     model_card,
-    new_id,
     prompt_echo,
     prompt_logprobs_body,
     response,
@@ -73,12 +72,14 @@ from cluster.prompting import check_text_fits, encode_chat, encode_prompt, max_c
 from cluster.serving.config import ServeConfig
 from cluster.serving.messages import GenerateTask, ReplicaStats, Route, Started
 from cluster.serving.metrics import RequestTiming, RouterMetrics
+from cluster.serving.tracing import RequestTrace
 from cluster.tokenizer import load_tokenizer
 from cluster.tool_calls import ToolCall, ToolMode, parse_output, template_tools
 from router import choices
 from router.admission import AdmissionController, PrefixEstimator, Ticket
 from router.api_key import APIKeyMiddleware
 from router.plan import ModelLimits, RequestPlan, plan_request, rejection, user_error
+from router.request_ids import RequestIdentity, request_id
 from router.streaming import DONE, ChunkEncoder, sse_event
 
 if TYPE_CHECKING:
@@ -253,15 +254,17 @@ class OpenAIServer:
         return TypedJSONResponse(DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)))
 
     async def completions(self, request: Request) -> Response:
+        received_ns, base_id = time.time_ns(), request_id(request)
         req: CompletionRequest = parse_body(await self._read_body(request), CompletionRequest)
         name = self._check_model(req.model)
         prompts = []
         for p in req.prompts:
             size = len(p) if isinstance(p, str) else 0
             prompts.append(await self._encode(functools.partial(encode_prompt, self.tokenizer, p), size, "prompt"))
-        return await self._serve("completion", req, prompts, name)
+        return await self._serve("completion", req, prompts, name, RequestIdentity(base_id, received_ns))
 
     async def chat_completions(self, request: Request) -> Response:
+        received_ns, base_id = time.time_ns(), request_id(request)
         req: ChatCompletionRequest = parse_body(await self._read_body(request), ChatCompletionRequest)
         name = self._check_model(req.model)
         conversation = _user_errors(req.conversation)
@@ -270,7 +273,7 @@ class OpenAIServer:
         prompt = await self._encode(
             lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt, tools), size, "messages"
         )
-        return await self._serve("chat", req, [prompt], name)
+        return await self._serve("chat", req, [prompt], name, RequestIdentity(base_id, received_ns))
 
     # ---- one request --------------------------------------------------------------------------
 
@@ -329,13 +332,40 @@ class OpenAIServer:
             raise rejection(plan, self.config, self._retry_rng)
         return plan
 
-    async def _serve(self, kind: str, req, prompts: list[list[int]], model_name: str) -> Response:
+    async def _serve(
+        self, kind: str, req, prompts: list[list[int]], model_name: str, identity: RequestIdentity
+    ) -> Response:
         arrival = time.monotonic()
-        rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
-        if len(prompts) > 1 or req.n > 1:
-            return await self._serve_choices(kind, req, prompts, model_name, rid, arrival)
-        run = RequestRun(self, kind, req, rid, self._plan(kind, req, prompts[0]), arrival, model_name)
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{identity.base_id}"
+        trace = RequestTrace(
+            f"/v1/{'completions' if kind == 'completion' else 'chat/completions'}",
+            identity.received_ns,
+            {"shapeserve.request_id": rid, "gen_ai.request.model": model_name, "shapeserve.prompts": len(prompts)},
+        )
+        try:
+            if len(prompts) > 1 or req.n > 1:
+                return await self._serve_choices(kind, req, prompts, model_name, rid, arrival, trace)
+            return await self._serve_one(kind, req, prompts[0], model_name, rid, arrival, trace)
+        except BaseException as e:
+            # Ends the trace of a request that failed before its runs did (a no-op once they ended it).
+            trace.end(error=f"{e.status} {e.message}" if isinstance(e, APIError) else repr(e))
+            raise
+
+    async def _serve_one(
+        self, kind: str, req, prompt: list[int], model_name: str, rid: str, arrival: float, trace: RequestTrace
+    ) -> Response:
+        admitting = time.time_ns()
+        try:
+            plan = self._plan(kind, req, prompt)
+        except APIError as e:
+            trace.admission(admitting, error=e.message)
+            raise
+        run = RequestRun(self, kind, req, rid, plan, arrival, model_name, trace=trace)
+        trace.admission(
+            admitting, {"shapeserve.route": plan.route.value, "shapeserve.cost_tokens": plan.geometry.cost_tokens}
+        )
         started = await run.start()
+        # (Serve adds the request's x-request-id header itself: the same id, see router.request_ids.)
         headers = {"x-shapeserve-route": started.route.value}
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
@@ -347,7 +377,7 @@ class OpenAIServer:
         return TypedJSONResponse(body, headers=headers)
 
     async def _serve_choices(
-        self, kind: str, req, prompts: list[list[int]], model_name: str, rid: str, arrival: float
+        self, kind: str, req, prompts: list[list[int]], model_name: str, rid: str, arrival: float, trace: RequestTrace
     ) -> Response:
         """Several choices (a list of prompts, ``n`` > 1): one engine request each, admitted one after the other
         (the 429 of any ends those already admitted), answered as one response whose choices carry
@@ -355,14 +385,20 @@ class OpenAIServer:
         if req.stream and kind == "chat" and req.tool_mode(self.config.tool_call_parser).kind != "none":
             raise APIError(400, "n > 1 with tools cannot be streamed yet; send stream false", param="n")
         runs: list[RequestRun] = []
+        admitting = time.time_ns()
         try:
             for i, prompt in enumerate(prompts):
                 for j in range(req.n):
-                    plan = self._plan(kind, req, prompt)
+                    try:
+                        plan = self._plan(kind, req, prompt)
+                    except APIError as e:
+                        trace.admission(admitting, error=e.message)
+                        raise
                     if j and plan.params.seed is not None:
                         params = dataclasses.replace(plan.params, seed=(plan.params.seed + j) % 2**64)
                         plan = dataclasses.replace(plan, params=params)
-                    runs.append(RequestRun(self, kind, req, rid, plan, arrival, model_name, i * req.n + j))
+                    runs.append(RequestRun(self, kind, req, rid, plan, arrival, model_name, i * req.n + j, trace))
+            trace.admission(admitting, {"shapeserve.sequences": len(runs)})
             started = await choices.start_all(runs)
         except BaseException:
             await choices.end_all(runs)
@@ -410,6 +446,7 @@ class RequestRun:
         arrival: float,
         model_name: str,
         index: int = 0,
+        trace: RequestTrace | None = None,
     ):
         self.s = server
         self.model_name = model_name
@@ -424,6 +461,10 @@ class RequestRun:
         self.ticket: Ticket = server.admission.admit(plan.route, plan.geometry.cost_tokens)
         server.prefix.record(plan.block_hashes)
         self.timing = RequestTiming(arrival=arrival, route=plan.route.value)
+        #: The HTTP request's trace (shared by its choices); ``None`` outside ``OpenAIServer._serve``.
+        self.trace = trace
+        if trace is not None:
+            trace.run_started()
         task = GenerateTask(
             request_id=f"{rid}-{uuid.uuid4().hex[:6]}",
             prompt_token_ids=plan.prompt_token_ids,
@@ -431,6 +472,7 @@ class RequestRun:
             route=plan.route,
             deadline=time.time() + server.config.timeouts.request_timeout_s,
             block_hashes=plan.block_hashes,
+            trace_context=trace.context if trace is not None else (),
         )
         self.stream = server.backend.generate(task)
         self.num_output = 0
@@ -491,6 +533,13 @@ class RequestRun:
         finally:
             self.s.admission.release(self.ticket, len(self.plan.prompt_token_ids) + self.num_output)
             self.s.metrics.observe_finished(self.timing, outcome, len(self.plan.prompt_token_ids))
+            if self.trace is not None:
+                summary = {
+                    "shapeserve.route": self.timing.route,
+                    "shapeserve.prompt_tokens": len(self.plan.prompt_token_ids),
+                    "shapeserve.output_tokens": self.num_output,
+                }
+                self.trace.run_ended(outcome, summary)
 
     def _usage(self) -> Usage:
         return usage(len(self.plan.prompt_token_ids), self.num_output, self.num_cached)

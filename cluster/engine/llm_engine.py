@@ -56,6 +56,9 @@ class RequestOutput:
     #: With the first output token of a request that asked for ``prompt_logprobs``: the scores of prompt
     #: tokens 1, 2, ... (token 0 has no context to be scored in).
     prompt_logprobs: tuple[TokenScore, ...] | None = None
+    #: With the first output token, when this engine computed the prompt: the wall-clock time (``time.time()``)
+    #: of the request's first step here (its wait in this engine's queue ends there; tracing reads it).
+    first_scheduled_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             num_cached_tokens=req.num_cached_tokens,
+            first_scheduled_at=req.first_scheduled_at if len(req.output_token_ids) == 1 else None,
         )
 
     @staticmethod

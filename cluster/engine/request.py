@@ -51,6 +51,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    #: When the scheduler first gave it a step (wall clock, ``time.time()``): its queue time ends there.
+    first_scheduled_at: float | None = None
     #: Keep KV blocks referenced after finishing, until ``LLMEngine.release_kv`` (prefill pool: the
     #: blocks must outlive the request until KV transfer has sent them).
     hold_kv_on_finish: bool = False

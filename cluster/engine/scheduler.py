@@ -11,6 +11,7 @@ Only the scheduler changes a request's status, blocks and ``num_computed_tokens`
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -173,6 +174,8 @@ class Scheduler:
                 req.num_cached_tokens = len(hits) * self.block_size
             req.block_ids = req.block_ids + new
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_at is None:
+                req.first_scheduled_at = time.time()
             self.running.append(req)
             picked[req.request_id] = n
             budget -= n

@@ -132,6 +132,17 @@ class SLOConfig(_Frozen):
     tpot_ms: float = Field(200.0, gt=0)
 
 
+class TracingConfig(_Frozen):
+    """OpenTelemetry request traces (``cluster.serving.tracing``): off until ``otlp_endpoint`` is set."""
+
+    #: An OTLP/gRPC collector, e.g. ``http://otel-collector:4317``; every replica process exports its spans there.
+    otlp_endpoint: str | None = None
+    #: The traces' ``service.name``.
+    service_name: str = "shapeserve"
+    #: Fraction of requests traced (decided at the edge; the other processes follow the edge's decision).
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
 class ServeConfig(_Frozen):
     #: Local Hugging Face model directory; None: the built-in demo model (built into a cache dir).
     model: str | None = None
@@ -162,6 +173,7 @@ class ServeConfig(_Frozen):
     admission: AdmissionConfig = AdmissionConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     slo: SLOConfig = SLOConfig()
+    tracing: TracingConfig = TracingConfig()
     #: KV data plane of kv_transfer (leases + gRPC control plane); auto picks the fastest both sides support.
     transport: Literal["auto", "grpc", "gloo", "nccl"] = "auto"
     #: Separate prefill pool: "on", "off" (the decode replicas prefill everything themselves), or "auto":

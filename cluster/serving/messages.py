@@ -36,6 +36,8 @@ class GenerateTask:
     deadline: float
     #: Chained hashes of the prompt's full blocks (prefix affinity for the prefill choice).
     block_hashes: tuple[bytes, ...] = ()
+    #: W3C trace-context headers of the edge's span (``cluster.serving.tracing``); () when not traced.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.route is Route.REJECT:
@@ -67,6 +69,8 @@ class PrefillTask:
     block_hashes: tuple[bytes, ...] = ()
     #: 0 for the first try; a retry's request router avoids replicas that already had this request.
     attempt: int = 0
+    #: W3C trace-context headers of the decode replica's ``shapeserve.remote_prefill`` span; () when not traced.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

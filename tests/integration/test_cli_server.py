@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ServerProcess
 from cluster.tools.cli import main as cli_main
+from tests.integration.otlp_collector import OTLPCollector
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(demo_model, tmp_path_factory):
+def otlp():
+    """Where the server's processes export their request traces (the server runs with tracing on)."""
+    collector = OTLPCollector().start()
+    try:
+        yield collector
+    finally:
+        collector.stop()
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, tmp_path_factory, otlp):
     tmp = tmp_path_factory.mktemp("cli-server")
     config = tmp / "serve.yaml"
     config.write_text(
@@ -46,6 +57,7 @@ def server(demo_model, tmp_path_factory):
         "  classifier: {local_max_uncached_tokens: 32}\n"
         "  decode: {num_blocks: 256}\n"
         "  prefill: {num_blocks: 256}\n"
+        f"  tracing: {{otlp_endpoint: '{otlp.endpoint}'}}\n"
     )
     port = free_port()
     cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(demo_model), "--port", str(port)]
@@ -140,6 +152,62 @@ def test_greedy_http_equals_run_batch_local_and_remote_stream_and_not(server, ru
         else:
             route, ids = streamed_tokens(server.url, prompt)
         assert (route, ids) == (expected_route, want), f"prompt {i}"
+
+
+def test_request_id_reaches_the_replica_logs_of_both_pools(server):
+    """The client's X-Request-Id names the response, and Serve's log lines of the request carry it on the decode
+    replica and on the prefill replica it called."""
+    import glob
+    import os
+    import uuid
+
+    rid = f"logcheck-{uuid.uuid4().hex[:12]}"
+    prompt = [4 + (i * 29) % 500 for i in range(90)]  # not sent by any other test: REMOTE
+    resp = httpx.post(f"{server.url}/v1/completions", json=body(prompt), headers={"x-request-id": rid}, timeout=120)
+    assert resp.status_code == 200 and resp.headers["x-shapeserve-route"] == "remote", resp.text
+    assert resp.json()["id"] == f"cmpl-{rid}" and resp.headers.get_list("x-request-id") == [rid]
+    found: set[str] = set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not {"DecodeWorker", "PrefillWorker"} <= found:
+        for path in glob.glob("/tmp/ray/session_*/logs/serve/replica_*.log"):
+            if os.path.getmtime(path) > time.time() - 600 and rid in open(path, errors="replace").read():
+                found |= {name for name in ("DecodeWorker", "PrefillWorker") if name in os.path.basename(path)}
+        time.sleep(0.5)
+    assert found == {"DecodeWorker", "PrefillWorker"}, found
+
+
+def test_remote_request_is_one_trace_across_the_processes(server, otlp):
+    """Exported over OTLP by the decode and the prefill replica processes: one trace, each span under the right
+    parent, the prefill replica's spans under the decode replica's attempt."""
+    import uuid
+
+    rid = f"trace-{uuid.uuid4().hex[:12]}"
+    prompt = [4 + (i * 41) % 500 for i in range(90)]  # not sent by any other test: REMOTE
+    resp = httpx.post(f"{server.url}/v1/completions", json=body(prompt), headers={"x-request-id": rid}, timeout=120)
+    assert resp.status_code == 200 and resp.headers["x-shapeserve-route"] == "remote", resp.text
+    want = {"shapeserve.admission", "shapeserve.queue", "shapeserve.remote_prefill", "shapeserve.decode"}
+    deadline = time.monotonic() + 30  # the processes export in batches, every few seconds
+    while True:
+        roots = [s for s in otlp.spans() if s.attributes.get("shapeserve.request_id") == f"cmpl-{rid}"]
+        trace = [s for s in otlp.spans() if roots and s.trace_id == roots[0].trace_id]
+        if len(trace) >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    (root,) = roots
+    assert root.parent_span_id == "" and root.attributes["shapeserve.route"] == "remote"
+
+    def children(parent):
+        return sorted((s for s in trace if s.parent_span_id == parent.span_id), key=lambda s: s.start_ns)
+
+    under_root = children(root)
+    assert {s.name for s in under_root} == want, [s.name for s in trace]
+    (attempt,) = [s for s in under_root if s.name == "shapeserve.remote_prefill"]
+    on_prefill = children(attempt)
+    assert [s.name for s in on_prefill] == ["shapeserve.queue", "shapeserve.prefill", "shapeserve.kv_transfer"]
+    assert {s.resource["shapeserve.role"] for s in [root, *under_root]} == {"decode"}
+    assert {s.resource["shapeserve.role"] for s in on_prefill} == {"prefill"}
+    assert on_prefill[0].resource["process.pid"] != root.resource["process.pid"]  # two processes, one trace
+    assert len(trace) == 1 + len(under_root) + len(on_prefill)
 
 
 def pools(url: str) -> list[dict]:
