@@ -7,11 +7,14 @@ admission state; its thresholds come from ``ClassifierConfig`` / ``AdmissionConf
   LOCAL  - few uncached prompt tokens: the decode replica prefills them itself, no transfer
            (also when no prefill replica can take it or the KV format cannot be handed over)
   REMOTE - the prefill pool prefills and pushes the KV blocks to the decode replica
-  REJECT - the class's admission budget is full: 429 with Retry-After = the class's predicted wait
+  REJECT - the class's admission budget is full, the prompt tokens waiting ahead of the request
+           would make it miss the time-to-first-token target, or the streams already run slower
+           than the time-per-output-token target: 429 with Retry-After = the predicted wait
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -47,6 +50,10 @@ class ClassLoad:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     tokens_per_s: float = 1.0
+    #: Uncached prompt tokens of admitted requests still waiting for their first token.
+    waiting_prefill_tokens: int = 0
+    #: Measured prompt tokens per second reaching their first token while some waited (None: not yet known).
+    prefill_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,21 @@ class LoadSnapshot:
     remote: ClassLoad = ClassLoad()
     #: False when no prefill replica is healthy: everything prefills locally.
     prefill_available: bool = True
+    #: The time-to-first-token target admission keeps (None: budgets only).
+    ttft_target_s: float | None = None
+    #: The time-per-output-token target, and the edge's recent pace (None: not kept / nothing streaming).
+    tpot_target_s: float | None = None
+    seconds_per_token: float | None = None
+
+    def stricter(self, scale: float) -> LoadSnapshot:
+        """The same load judged against ``scale`` x the SLO targets."""
+        ttft = self.ttft_target_s * scale if self.ttft_target_s is not None else None
+        tpot = self.tpot_target_s * scale if self.tpot_target_s is not None else None
+        return dataclasses.replace(self, ttft_target_s=ttft, tpot_target_s=tpot)
+
+    @property
+    def busy(self) -> bool:
+        return self.local.inflight_requests + self.remote.inflight_requests > 0
 
     def of(self, route: Route) -> ClassLoad:
         return self.local if route is Route.LOCAL else self.remote
@@ -110,4 +132,23 @@ def classify(
             retry = min(max(math.ceil(wait), admission.min_retry_after_s), admission.max_retry_after_s)
             what = "requests" if too_many else "tokens"
             return RouteDecision(Route.REJECT, klass, f"{klass.value} class budget of in-flight {what} is full", retry)
+    pace, tpot_target = load.seconds_per_token, load.tpot_target_s
+    if tpot_target is not None and pace is not None and load.busy and pace > tpot_target * scale:
+        # Another sequence would slow every stream further: wait for an admitted request to finish.
+        drain = cl if cl.inflight_requests else load.of(Route.REMOTE if klass is Route.LOCAL else Route.LOCAL)
+        wait = drain.inflight_tokens / max(drain.inflight_requests, 1) / max(drain.tokens_per_s, 1e-6)
+        retry = min(max(math.ceil(wait), admission.min_retry_after_s), admission.max_retry_after_s)
+        why = f"streams run at {1000 * pace:.0f} ms per token, past the {1000 * tpot_target * scale:.0f} ms target"
+        return RouteDecision(Route.REJECT, klass, why, retry)
+    rate = cl.prefill_tokens_per_s
+    # With prompts waiting and the class's prefill rate measured: would this one miss the TTFT target?
+    if load.ttft_target_s is not None and cl.waiting_prefill_tokens > 0 and rate:
+        ahead = cl.waiting_prefill_tokens + g.uncached_tokens
+        predicted, target = ahead / rate, load.ttft_target_s * scale
+        if predicted > target:
+            # Until enough of what waits now has drained for a request like this one to meet the target.
+            wait = predicted - target
+            retry = min(max(math.ceil(wait), admission.min_retry_after_s), admission.max_retry_after_s)
+            why = f"predicted time to first token {predicted:.1f} s is past the {target:.1f} s target"
+            return RouteDecision(Route.REJECT, klass, why, retry)
     return RouteDecision(klass, klass, reason)

@@ -87,18 +87,38 @@ def plan_request(
     return RequestPlan(params, tuple(prompt), hashes, geometry, decision)
 
 
-def rejection(plan: RequestPlan, config: ServeConfig, rng: random.Random | None = None) -> APIError:
+def rejection(
+    plan: RequestPlan,
+    config: ServeConfig,
+    rng: random.Random | None = None,
+    appointment: Callable[[float], float] | None = None,
+) -> APIError:
     """The 429 for a REJECT plan, with Retry-After from the class's predicted wait, spread over
     [wait, wait x (1 + retry_after_jitter)]: clients refused in the same burst do not all come back in the same
-    second (and find the class full again). ``rng``: where the spread is drawn from (a seeded one in tests)."""
+    second (and find the class full again). ``rng``: where the spread is drawn from (a seeded one in tests);
+    ``appointment``: books the client's return no earlier than the spread wait and gives the seconds until it
+    (``AdmissionController.appointment``)."""
     d = plan.decision
+    return too_busy(config, f"{d.route_class.value} requests ({d.reason})", d.retry_after_s or 0, rng, appointment)
+
+
+def too_busy(
+    config: ServeConfig,
+    what: str,
+    wait_s: float,
+    rng: random.Random | None = None,
+    appointment: Callable[[float], float] | None = None,
+) -> APIError:
+    """A 429 for ``what`` with its Retry-After (see ``rejection``)."""
     adm = config.admission
-    wait = d.retry_after_s or adm.min_retry_after_s
+    wait = max(wait_s, adm.min_retry_after_s)
     spread = wait * (1.0 + (rng or random).uniform(0.0, adm.retry_after_jitter))
+    if appointment is not None:
+        spread = appointment(spread)
     retry = min(max(math.ceil(spread), adm.min_retry_after_s), adm.max_retry_after_s)
     return APIError(
         429,
-        f"server is at capacity for {d.route_class.value} requests ({d.reason}); retry after {retry} s",
+        f"server is at capacity for {what}; retry after {retry} s",
         "rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry)},

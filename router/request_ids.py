@@ -25,6 +25,15 @@ class RequestIdentity:
     base_id: str
     #: When the request reached the edge (wall clock, ns): its trace starts there.
     received_ns: int
+    #: The client says this is a retry (``is_retry``): it keeps an appointment a 429 gave it.
+    retrying: bool = False
+
+
+def is_retry(request: Request) -> bool:
+    """The OpenAI SDKs number their attempts in ``X-Stainless-Retry-Count`` (0 for the first); they retry a 429
+    after its Retry-After."""
+    count = request.headers.get("x-stainless-retry-count", "0")
+    return count.isdigit() and int(count) > 0
 
 
 def request_id(request: Request) -> str:

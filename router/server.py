@@ -79,7 +79,7 @@ from router import choices
 from router.admission import AdmissionController, PrefixEstimator, Ticket
 from router.api_key import APIKeyMiddleware
 from router.plan import ModelLimits, RequestPlan, plan_request, rejection, user_error
-from router.request_ids import RequestIdentity, request_id
+from router.request_ids import RequestIdentity, is_retry, request_id
 from router.streaming import DONE, ChunkEncoder, sse_event
 
 if TYPE_CHECKING:
@@ -92,6 +92,10 @@ try:
     _VERSION = importlib.metadata.version("shapeserve")
 except importlib.metadata.PackageNotFoundError:  # running from a checkout that was not installed
     _VERSION = "0+unknown"
+
+#: While clients refused earlier are due back (``RetryAppointments``), a new request is admitted against this
+#: fraction of the TTFT and TPOT targets: it takes only room the returning clients would not need.
+HELD_ROOM_TARGET_SCALE = 0.75
 
 #: Prompts longer than this (characters) are tokenized on a worker thread, not on the event loop:
 #: a long tokenization must not stall every other request's streaming.
@@ -133,7 +137,12 @@ class OpenAIServer:
         model = ModelConfig.from_pretrained(model_dir)
         self.limits = ModelLimits(model.vocab_size, served_context_length(model, config.max_model_len))
         self.chars_per_token = max_chars_per_token(self.tokenizer)
-        self.admission = AdmissionController(config.admission)
+        keep_slo = config.admission.admit_within_slo
+        self.admission = AdmissionController(
+            config.admission,
+            ttft_target_s=config.slo.ttft_ms / 1000 if keep_slo else None,
+            tpot_target_s=config.slo.tpot_ms / 1000 if keep_slo else None,
+        )
         self.prefix = PrefixEstimator()
         self.pool_stats: list[ReplicaStats] = []
         self._stats_at = 0.0
@@ -261,7 +270,9 @@ class OpenAIServer:
         for p in req.prompts:
             size = len(p) if isinstance(p, str) else 0
             prompts.append(await self._encode(functools.partial(encode_prompt, self.tokenizer, p), size, "prompt"))
-        return await self._serve("completion", req, prompts, name, RequestIdentity(base_id, received_ns))
+        return await self._serve(
+            "completion", req, prompts, name, RequestIdentity(base_id, received_ns, is_retry(request))
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         received_ns, base_id = time.time_ns(), request_id(request)
@@ -273,7 +284,7 @@ class OpenAIServer:
         prompt = await self._encode(
             lambda: encode_chat(self.tokenizer, conversation, req.add_generation_prompt, tools), size, "messages"
         )
-        return await self._serve("chat", req, [prompt], name, RequestIdentity(base_id, received_ns))
+        return await self._serve("chat", req, [prompt], name, RequestIdentity(base_id, received_ns, is_retry(request)))
 
     # ---- one request --------------------------------------------------------------------------
 
@@ -321,15 +332,25 @@ class OpenAIServer:
             return _user_errors(fn)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, _user_errors, fn)
 
-    def _plan(self, kind: str, req, prompt: list[int]) -> RequestPlan:
-        """The request's plan on the admission state now; the 429 when its class is full."""
+    def _plan(self, kind: str, req, prompt: list[int], retrying: bool = False) -> RequestPlan:
+        """The request's plan on the admission state now; the 429 when its class is full, when it would miss
+        the SLO, or when the room is held for clients coming back after a 429 (``retrying``: this is one)."""
         self._maybe_refresh()
+        appointments = self.admission.appointments
+        now = self.admission.clock()
+        held = False
+        if retrying:
+            appointments.keep(now)
+        elif appointments.due(now):
+            held = True
         load = self.admission.snapshot(self._prefill_up())
+        if held:  # a new request while clients come back: it gets only what they leave (a stricter target)
+            load = load.stricter(HELD_ROOM_TARGET_SCALE)
         plan = plan_request(kind, req, prompt, self.limits, self.config, load, self.prefix.cached_blocks, req.priority)
         if plan.route is Route.REJECT:
             self.metrics.rejected.labels(plan.decision.route_class.value).inc()
             self.metrics.errors.labels("429").inc()
-            raise rejection(plan, self.config, self._retry_rng)
+            raise rejection(plan, self.config, self._retry_rng, self.admission.appointment)
         return plan
 
     async def _serve(
@@ -343,20 +364,29 @@ class OpenAIServer:
             {"shapeserve.request_id": rid, "gen_ai.request.model": model_name, "shapeserve.prompts": len(prompts)},
         )
         try:
+            retrying = identity.retrying
             if len(prompts) > 1 or req.n > 1:
-                return await self._serve_choices(kind, req, prompts, model_name, rid, arrival, trace)
-            return await self._serve_one(kind, req, prompts[0], model_name, rid, arrival, trace)
+                return await self._serve_choices(kind, req, prompts, model_name, rid, arrival, trace, retrying)
+            return await self._serve_one(kind, req, prompts[0], model_name, rid, arrival, trace, retrying)
         except BaseException as e:
             # Ends the trace of a request that failed before its runs did (a no-op once they ended it).
             trace.end(error=f"{e.status} {e.message}" if isinstance(e, APIError) else repr(e))
             raise
 
     async def _serve_one(
-        self, kind: str, req, prompt: list[int], model_name: str, rid: str, arrival: float, trace: RequestTrace
+        self,
+        kind: str,
+        req,
+        prompt: list[int],
+        model_name: str,
+        rid: str,
+        arrival: float,
+        trace: RequestTrace,
+        retrying: bool,
     ) -> Response:
         admitting = time.time_ns()
         try:
-            plan = self._plan(kind, req, prompt)
+            plan = self._plan(kind, req, prompt, retrying)
         except APIError as e:
             trace.admission(admitting, error=e.message)
             raise
@@ -377,7 +407,15 @@ class OpenAIServer:
         return TypedJSONResponse(body, headers=headers)
 
     async def _serve_choices(
-        self, kind: str, req, prompts: list[list[int]], model_name: str, rid: str, arrival: float, trace: RequestTrace
+        self,
+        kind: str,
+        req,
+        prompts: list[list[int]],
+        model_name: str,
+        rid: str,
+        arrival: float,
+        trace: RequestTrace,
+        retrying: bool,
     ) -> Response:
         """Several choices (a list of prompts, ``n`` > 1): one engine request each, admitted one after the other
         (the 429 of any ends those already admitted), answered as one response whose choices carry
@@ -390,7 +428,7 @@ class OpenAIServer:
             for i, prompt in enumerate(prompts):
                 for j in range(req.n):
                     try:
-                        plan = self._plan(kind, req, prompt)
+                        plan = self._plan(kind, req, prompt, retrying)
                     except APIError as e:
                         trace.admission(admitting, error=e.message)
                         raise
@@ -458,7 +496,8 @@ class RequestRun:
         self.req = req
         self.rid = rid
         self.plan = plan
-        self.ticket: Ticket = server.admission.admit(plan.route, plan.geometry.cost_tokens)
+        g = plan.geometry
+        self.ticket: Ticket = server.admission.admit(plan.route, g.cost_tokens, g.uncached_tokens)
         server.prefix.record(plan.block_hashes)
         self.timing = RequestTiming(arrival=arrival, route=plan.route.value)
         #: The HTTP request's trace (shared by its choices); ``None`` outside ``OpenAIServer._serve``.
@@ -506,7 +545,12 @@ class RequestRun:
                     raise APIError(
                         500, f"the engine failed while generating this request: {last.error}", "server_error"
                     )
-                self.s.metrics.observe_token(self.timing, time.monotonic(), sum(len(o.new_token_ids) for o in batch))
+                now, n = time.monotonic(), sum(len(o.new_token_ids) for o in batch)
+                if self.timing.first_token is None:  # its prefill is done: it leaves its class's prefill queue
+                    self.s.admission.first_token(self.ticket)
+                elif self.timing.last_token is not None and n:
+                    self.s.admission.tokens_streamed((now - self.timing.last_token) / n)
+                self.s.metrics.observe_token(self.timing, now, n)
                 self.num_output = last.num_output_tokens
                 self.num_cached = last.num_cached_tokens
                 yield batch
@@ -531,7 +575,8 @@ class RequestRun:
         try:
             await self.stream.aclose()  # the backend's finally: abort, free the blocks
         finally:
-            self.s.admission.release(self.ticket, len(self.plan.prompt_token_ids) + self.num_output)
+            reached = self.timing.first_token is not None
+            self.s.admission.release(self.ticket, len(self.plan.prompt_token_ids) + self.num_output, reached)
             self.s.metrics.observe_finished(self.timing, outcome, len(self.plan.prompt_token_ids))
             if self.trace is not None:
                 summary = {

@@ -105,6 +105,11 @@ class AdmissionConfig(_Frozen):
     retry_after_jitter: float = Field(0.5, ge=0, le=4)
     #: Throughput assumed before any request finished (tokens/s per class).
     initial_tokens_per_s: float = Field(200.0, gt=0)
+    #: Admit only what the SLO predicts can be served in time (``router.admission``): a request whose predicted
+    #: time to first token is past ``slo.ttft_ms`` (the prompt tokens waiting ahead of it in its class over the
+    #: class's measured prefill rate), or any new request while the streams run slower than ``slo.tpot_ms``,
+    #: is a 429. False: the class budgets alone.
+    admit_within_slo: bool = True
 
 
 class TimeoutConfig(_Frozen):

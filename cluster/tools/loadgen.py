@@ -50,6 +50,9 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     #: Times (from the run's start) at which chunks with text arrived, and how many tokens each added.
     chunk_times: list[float] = field(default_factory=list)
+    #: Per 429 the request got: seconds from sending it to the answer (then, with retries, it waited the
+    #: Retry-After and was sent again).
+    rejections: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -93,7 +96,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict | None)
         "tpot_s": percentiles([t for r in ok if (t := r.tpot) is not None]),
         "itl_s": percentiles([gap for r in ok for gap in r.itl]),
         "e2e_s": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        "rejected_429": sum(len(r.rejections) for r in records),
+        "reject_latency_s": percentiles([t for r in records for t in r.rejections]),
     }
+    # Retries: every 429 but a request's last one was followed by a retry after its Retry-After.
+    retries = sum(len(r.rejections) - (r.status == 429) for r in records)
+    summary["retries"] = retries
+    summary["retries_succeeded"] = sum(1 for r in records if r.rejections and r.ok) / retries if retries else None
     if slo:
         good = [r for r in ok if meets_slo(r, slo)]
         summary["slo"] = slo
@@ -114,8 +123,36 @@ def meets_slo(r: RequestRecord, slo: dict) -> bool:
 
 
 async def send_one(
-    session, url: str, model: str, req: WorkloadRequest, rec: RequestRecord, t0: float, temperature: float = 0.0
+    session,
+    url: str,
+    model: str,
+    req: WorkloadRequest,
+    rec: RequestRecord,
+    t0: float,
+    temperature: float = 0.0,
+    retries_after_429: int = 0,
 ) -> None:
+    """Sends ``req`` and records what came back; a 429 is sent again after its Retry-After, up to
+    ``retries_after_429`` times (the record keeps the last attempt's outcome)."""
+    for attempt in range(retries_after_429 + 1):
+        retry_after = await _send_once(session, url, model, req, rec, t0, temperature, attempt)
+        if retry_after is None or attempt == retries_after_429:
+            return
+        await asyncio.sleep(retry_after)
+
+
+async def _send_once(
+    session,
+    url: str,
+    model: str,
+    req: WorkloadRequest,
+    rec: RequestRecord,
+    t0: float,
+    temperature: float,
+    attempt: int = 0,
+) -> float | None:
+    """One attempt; returns the Retry-After seconds when it was answered 429, else None. Retries say so as the
+    OpenAI SDKs do (``X-Stainless-Retry-Count``)."""
     body = {
         "model": model,
         "prompt": list(req.prompt_token_ids),
@@ -126,14 +163,19 @@ async def send_one(
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    rec.sent_at = start - t0
+    if not rec.rejections:
+        rec.sent_at = start - t0
     last = start
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(url, json=body, headers={"X-Stainless-Retry-Count": str(attempt)}) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 rec.error = (await resp.text())[:500]
-                return
+                if resp.status == 429:
+                    rec.rejections.append(time.perf_counter() - start)
+                    return float(resp.headers.get("Retry-After", "1"))
+                return None
+            rec.error = ""
             buffer = b""
             async for data in resp.content.iter_any():
                 buffer += data
@@ -162,6 +204,7 @@ async def send_one(
             rec.e2e = time.perf_counter() - start
     except Exception as e:  # noqa: BLE001 - a connection failure is a result to report, not a crash
         rec.error = f"{type(e).__name__}: {e}"[:500]
+    return None
 
 
 async def run_load(
@@ -172,6 +215,7 @@ async def run_load(
     progress: bool = True,
     max_concurrency: int | None = None,
     temperature: float = 0.0,
+    retries_after_429: int = 0,
 ) -> tuple[list[RequestRecord], float]:
     import aiohttp
     from tqdm.auto import tqdm
@@ -190,7 +234,7 @@ async def run_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with limit:
-                await send_one(session, url, model, req, rec, t0, temperature)
+                await send_one(session, url, model, req, rec, t0, temperature, retries_after_429)
             bar.update(1)
             bar.set_postfix(ok=sum(r.ok for r in records), tok=sum(r.output_tokens for r in records))
 
@@ -239,6 +283,13 @@ def format_report(result: dict[str, Any]) -> str:
             lines.append(f"    {metric[:-2]:>5} ms  {cells}")
         if s["errors_by_status"]:
             lines.append(f"    errors by status: {s['errors_by_status']}")
+        if s["rejected_429"]:
+            p99 = s["reject_latency_s"]["p99"]
+            retried = f"{s['retries_succeeded']:.0%}" if s["retries_succeeded"] is not None else "-"
+            lines.append(
+                f"    429s: {s['rejected_429']} answered in p99 {p99 * 1000:.1f} ms; {s['retries']} retries "
+                f"after Retry-After, {retried} of them served"
+            )
     return "\n".join(lines)
 
 
@@ -312,6 +363,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="sent with every request (default 0, greedy; vllm bench serve now leaves it to the server: 1.0)",
     )
+    p.add_argument(
+        "--retries-after-429",
+        type=int,
+        default=0,
+        help="send a request answered 429 again after its Retry-After, up to this many times (default 0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,7 +379,14 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or asyncio.run(discover_model(args.base_url))
     records, duration = asyncio.run(
         run_load(
-            args.base_url, model, requests, args.timeout, not args.no_progress, args.max_concurrency, args.temperature
+            args.base_url,
+            model,
+            requests,
+            args.timeout,
+            not args.no_progress,
+            args.max_concurrency,
+            args.temperature,
+            args.retries_after_429,
         )
     )
     result = report(records, duration, spec)

@@ -1,5 +1,7 @@
 """The geometry classifier: exact decisions for exact inputs (no Ray, no model)."""
 
+import dataclasses
+
 import pytest
 
 from cluster.serving.config import AdmissionConfig, ClassBudget, ClassifierConfig
@@ -93,3 +95,50 @@ def test_classify_is_pure():
     g = geo()
     assert classify(g, CFG, ADM, load) == classify(g, CFG, ADM, load)
     assert load == LoadSnapshot(remote=ClassLoad(1, 100, 5.0))
+
+
+def test_refused_when_the_prompts_waiting_ahead_would_miss_the_ttft_target():
+    big = AdmissionConfig(min_retry_after_s=1, max_retry_after_s=30)  # budgets out of the way
+    # 1000 prompt tokens/s measured; 1500 waiting: a 100-token prompt would see its first token in 1.6 s.
+    busy = ClassLoad(inflight_requests=5, inflight_tokens=3000, waiting_prefill_tokens=1500, prefill_tokens_per_s=1000)
+    ok = classify(geo(prompt=100), CFG, big, LoadSnapshot(remote=busy, ttft_target_s=2.0))
+    assert ok.route is Route.REMOTE
+    late = classify(geo(prompt=600), CFG, big, LoadSnapshot(remote=busy, ttft_target_s=2.0))
+    assert late.route is Route.REJECT and late.route_class is Route.REMOTE
+    assert "predicted time to first token 2.1 s is past the 2.0 s target" in late.reason
+    assert late.retry_after_s == 1  # 0.1 s of backlog past the target, rounded up
+    slow = dataclasses.replace(busy, prefill_tokens_per_s=100)  # 21 s predicted: 19 s until it would fit
+    assert classify(geo(prompt=600), CFG, big, LoadSnapshot(remote=slow, ttft_target_s=2.0)).retry_after_s == 19
+    # High priority gets the headroom on the target too; LOCAL is judged on its own queue.
+    assert (
+        classify(geo(prompt=600, priority=1), CFG, big, LoadSnapshot(remote=busy, ttft_target_s=2.0)).route
+        is Route.REMOTE
+    )
+    assert classify(geo(prompt=10), CFG, big, LoadSnapshot(remote=busy, ttft_target_s=2.0)).route is Route.LOCAL
+
+
+def test_no_ttft_refusal_without_a_target_a_measured_rate_or_a_queue():
+    big = AdmissionConfig()
+    waiting = ClassLoad(inflight_requests=5, waiting_prefill_tokens=10**6, prefill_tokens_per_s=10.0)
+    assert classify(geo(prompt=600), CFG, big, LoadSnapshot(remote=waiting)).route is Route.REMOTE  # no target
+    unmeasured = dataclasses.replace(waiting, prefill_tokens_per_s=None)
+    assert classify(geo(prompt=600), CFG, big, LoadSnapshot(remote=unmeasured, ttft_target_s=1.0)).route is Route.REMOTE
+    idle = dataclasses.replace(waiting, waiting_prefill_tokens=0)
+    # nothing waits: even a prompt whose own prefill takes longer than the target is admitted
+    assert classify(geo(prompt=600), CFG, big, LoadSnapshot(remote=idle, ttft_target_s=1.0)).route is Route.REMOTE
+
+
+def test_refused_while_the_streams_run_slower_than_the_tpot_target():
+    big = AdmissionConfig(min_retry_after_s=1, max_retry_after_s=30)
+    running = ClassLoad(inflight_requests=4, inflight_tokens=2000, tokens_per_s=100.0)
+    slow = LoadSnapshot(local=running, tpot_target_s=0.2, seconds_per_token=0.25)
+    d = classify(geo(prompt=10), CFG, big, slow)
+    assert d.route is Route.REJECT and "250 ms per token, past the 200 ms target" in d.reason
+    assert d.retry_after_s == 5  # one average admitted request (500 tokens) at the class's 100 tokens/s
+    # a REMOTE request is refused too, its wait read from the class that runs
+    assert classify(geo(prompt=100), CFG, big, slow).route is Route.REJECT
+    on_pace = dataclasses.replace(slow, seconds_per_token=0.15)
+    assert classify(geo(prompt=10), CFG, big, on_pace).route is Route.LOCAL
+    # high priority gets the headroom; an idle edge admits whatever pace it last saw
+    assert classify(geo(prompt=10, priority=1), CFG, big, slow).route is Route.LOCAL
+    assert classify(geo(prompt=10), CFG, big, dataclasses.replace(slow, local=ClassLoad())).route is Route.LOCAL

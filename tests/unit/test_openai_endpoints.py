@@ -515,3 +515,33 @@ def test_tokenize_without_special_tokens_still_refuses_lone_surrogates(demo_mode
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
     asyncio.run(run())
+
+
+def test_slo_admission_refuses_with_an_appointment_that_a_retry_keeps(demo_model):
+    asyncio.run(_slo_admission(demo_model))
+
+
+async def _slo_admission(demo_model):
+    from router.admission import TokenPace
+
+    cfg = parse_serve_config({"device": "cpu", "served_model_name": "m", "slo": {"ttft_ms": 2000, "tpot_ms": 100}})
+    server = OpenAIServer(cfg, str(demo_model), EchoWorker(), board=None, disaggregated=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.asgi_app()), base_url="http://edge") as c:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        running = server.admission.admit(Route.LOCAL, 500)  # a stream in flight ...
+        server.admission.tokens_streamed(0.5)  # ... at 500 ms per token, past the 100 ms target
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert "500 ms per token, past the 100 ms target" in r.json()["error"]["message"]
+        wait = int(r.headers["Retry-After"])
+        assert 1 <= wait <= cfg.admission.max_retry_after_s
+        # The streams are back to 90 ms per token: within the target, but not within the 75 ms a new request
+        # is held to while the refused client is due back.
+        server.admission.pace = TokenPace()
+        server.admission.tokens_streamed(0.09)
+        await asyncio.sleep(wait)
+        server.admission.tokens_streamed(0.09)
+        assert (await c.post("/v1/completions", json=body)).status_code == 429
+        retry = await c.post("/v1/completions", json=body, headers={"X-Stainless-Retry-Count": "1"})
+        assert retry.status_code == 200 and retry.json()["choices"][0]["text"] == "ab"
+        server.admission.release(running)
