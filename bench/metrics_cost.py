@@ -121,7 +121,7 @@ def tracing_us_per_token(output_tokens: int, enabled: bool, requests: int = 1000
         for batch in outputs:
             spans.outputs(batch)
         spans.end()
-        trace.run_ended("ok", {"shapeserve.output_tokens": output_tokens})
+        trace.run_ended("ok", "remote", output_tokens)
     if provider is not None:
         provider.shutdown()  # the export thread's work is in this process's CPU time too
     tracing.use_provider(None)

@@ -17,7 +17,8 @@ further, so the classifier refuses new requests until running ones finish.
 
 A 429's Retry-After is an appointment (``RetryAppointments``): spaced by the rate the edge
 finishes requests, so refused clients come back as room frees rather than together, and
-held for them: until it is kept or lapses, a new request is refused too.
+held for them: until it is kept or lapses, a new request is judged against a stricter target
+(``router.server.HELD_ROOM_TARGET_SCALE``), so the room goes to the client coming back.
 
 Also the prefix estimator the classifier's cached-token input comes from. Not thread-safe:
 used from the router's event loop only.
@@ -120,7 +121,8 @@ class RetryAppointments:
     """When the clients refused with a 429 are told to come back. Each appointment is no earlier than the
     refusal's predicted wait and at least ``spacing`` after the one before (the edge's finish rate), so the
     clients return about as fast as requests finish. While one is due and not yet kept (a retry arrived) or
-    lapsed (``grace_s`` later), the room is held for it: a new request is refused and booked behind."""
+    lapsed (``grace_s`` later), the room is held for it: the edge admits a new request only against a
+    stricter target, and books the refused behind."""
 
     def __init__(self, grace_s: float = 1.5, horizon_s: float = 60.0):
         """``grace_s``: how long past its time an appointment is held (Retry-After is whole seconds, so a client

@@ -338,11 +338,9 @@ class OpenAIServer:
         self._maybe_refresh()
         appointments = self.admission.appointments
         now = self.admission.clock()
-        held = False
         if retrying:
             appointments.keep(now)
-        elif appointments.due(now):
-            held = True
+        held = not retrying and appointments.due(now)
         load = self.admission.snapshot(self._prefill_up())
         if held:  # a new request while clients come back: it gets only what they leave (a stricter target)
             load = load.stricter(HELD_ROOM_TARGET_SCALE)
@@ -579,12 +577,7 @@ class RequestRun:
             self.s.admission.release(self.ticket, len(self.plan.prompt_token_ids) + self.num_output, reached)
             self.s.metrics.observe_finished(self.timing, outcome, len(self.plan.prompt_token_ids))
             if self.trace is not None:
-                summary = {
-                    "shapeserve.route": self.timing.route,
-                    "shapeserve.prompt_tokens": len(self.plan.prompt_token_ids),
-                    "shapeserve.output_tokens": self.num_output,
-                }
-                self.trace.run_ended(outcome, summary)
+                self.trace.run_ended(outcome, self.timing.route, self.num_output)
 
     def _usage(self) -> Usage:
         return usage(len(self.plan.prompt_token_ids), self.num_output, self.num_cached)

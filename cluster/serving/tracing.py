@@ -143,6 +143,8 @@ class RequestTrace:
             self.root.update_name(f"shapeserve.request {name}")
         self.context = context_of(self.root)
         self._open_runs = 0
+        self._routes: set[str] = set()
+        self._output_tokens = 0
 
     def admission(self, start_ns: int, attributes: Attributes | None = None, error: str | None = None) -> None:
         record("shapeserve.admission", self.context, start_ns, time.time_ns(), attributes, error)
@@ -150,13 +152,19 @@ class RequestTrace:
     def run_started(self) -> None:
         self._open_runs += 1
 
-    def run_ended(self, outcome: str, attributes: Attributes | None = None) -> None:
-        """One engine request of this HTTP request ended (``outcome``: ok, aborted, cancelled, error); the root
-        ends with the last."""
+    def run_ended(self, outcome: str, route: str, output_tokens: int) -> None:
+        """One engine request of this HTTP request ended (``outcome``: ok, aborted, cancelled, error; its route
+        and output tokens go on the root, summed over the request's choices); the root ends with the last."""
         self._open_runs -= 1
-        if self.root is not None and attributes:
-            self.root.set_attributes(attributes)
-        if self._open_runs <= 0:
+        self._routes.add(route)
+        self._output_tokens += output_tokens
+        if self._open_runs <= 0 and self.root is not None:
+            self.root.set_attributes(
+                {
+                    "shapeserve.route": ",".join(sorted(self._routes)),
+                    "shapeserve.output_tokens": self._output_tokens,
+                }
+            )
             self.end(None if outcome in ("ok", "aborted") else outcome)
 
     def end(self, error: str | None = None) -> None:

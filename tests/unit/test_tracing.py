@@ -221,4 +221,4 @@ def test_several_choices_share_one_trace_that_ends_with_the_last(demo_model, spa
         ["shapeserve.admission"] + ["shapeserve.queue", "shapeserve.prefill", "shapeserve.decode"] * 2
     )
     assert root.end_time >= max(s.end_time for s in finished if s.name == "shapeserve.decode")
-    assert root.attributes["shapeserve.output_tokens"] == 4 and root.status.is_ok
+    assert root.attributes["shapeserve.output_tokens"] == 8 and root.status.is_ok  # both choices' tokens
