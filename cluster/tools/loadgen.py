@@ -112,6 +112,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict | None)
     return summary
 
 
+def goodput_until(records: list[RequestRecord], end_s: float, slo: dict) -> float:
+    """Requests within the SLO per second that finished in the run's first ``end_s`` seconds (the window in
+    which load was offered, without the tail of late retries)."""
+    good = [r for r in records if r.ok and meets_slo(r, slo) and r.chunk_times and r.chunk_times[-1] <= end_s]
+    return len(good) / end_s if end_s > 0 else 0.0
+
+
 def meets_slo(r: RequestRecord, slo: dict) -> bool:
     if r.ttft is None or r.ttft * 1000 > slo.get("ttft_ms", math.inf):
         return False
