@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import sys
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.server_process import ServerProcess
 from cluster.tools.cli import main as cli_main
+from tests.integration.live_server import live_server
 from tests.integration.otlp_collector import OTLPCollector
 
 pytestmark = pytest.mark.slow
@@ -27,12 +25,6 @@ SHORT = [[5 + i, 17, 33, 80] for i in range(4)]  # 4 tokens: LOCAL
 # 90 tokens: REMOTE. Each prompt is sent once: a repeat finds its blocks cached and prefills locally.
 LONG = [[4 + (seed * 131 + i * 17) % 500 for i in range(90)] for seed in range(4)]
 MAX_TOKENS = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,30 +39,17 @@ def otlp():
 
 @pytest.fixture(scope="module")
 def server(demo_model, tmp_path_factory, otlp):
-    tmp = tmp_path_factory.mktemp("cli-server")
-    config = tmp / "serve.yaml"
-    config.write_text(
-        "shapeserve:\n"
-        "  device: cpu\n"
-        "  served_model_name: demo\n"
-        "  disaggregation: 'on'\n"
-        "  classifier: {local_max_uncached_tokens: 32}\n"
-        "  decode: {num_blocks: 256}\n"
-        "  prefill: {num_blocks: 256}\n"
-        f"  tracing: {{otlp_endpoint: '{otlp.endpoint}'}}\n"
-    )
-    port = free_port()
-    cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(demo_model), "--port", str(port)]
-    proc = ServerProcess(
-        [*cmd, "--config", str(config)],
-        f"http://127.0.0.1:{port}",
-        str(tmp / "server.log"),
-        env={"RAY_AUTH_MODE": "disabled"},
-    ).start(timeout_s=180)
-    try:
+    config = f"""
+device: cpu
+served_model_name: demo
+disaggregation: 'on'
+classifier: {{local_max_uncached_tokens: 32}}
+decode: {{num_blocks: 256}}
+prefill: {{num_blocks: 256}}
+tracing: {{otlp_endpoint: '{otlp.endpoint}'}}
+"""
+    with live_server(demo_model, tmp_path_factory.mktemp("cli-server"), config) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def run_batch(demo_model, tmp, bodies: list[dict]) -> list[dict]:

@@ -5,15 +5,13 @@ longer run whose figures docs/benchmarks.md records."""
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 
 from bench.overload import overload_phase
-from bench.server_process import ServerProcess
 from cluster.tools.loadgen import goodput_until, run_load, summarize
 from cluster.tools.workloads import WorkloadRequest, load_workload
-from tests.integration.test_cli_server import free_port
+from tests.integration.live_server import live_server
 
 pytestmark = pytest.mark.slow
 
@@ -31,26 +29,9 @@ def shapes(demo_model, count: int, rate: float, seed: int) -> list[WorkloadReque
 
 @pytest.fixture(scope="module")
 def server(demo_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("overload")
-    config = tmp / "serve.yaml"
-    config.write_text(
-        "shapeserve:\n"
-        "  device: cpu\n"
-        "  served_model_name: demo\n"
-        f"  slo: {{ttft_ms: {SLO['ttft_ms']}, tpot_ms: {SLO['tpot_ms']}}}\n"
-    )
-    port = free_port()
-    cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(demo_model), "--port", str(port)]
-    proc = ServerProcess(
-        [*cmd, "--config", str(config)],
-        f"http://127.0.0.1:{port}",
-        str(tmp / "server.log"),
-        env={"RAY_AUTH_MODE": "disabled"},
-    ).start(timeout_s=180)
-    try:
+    config = f"device: cpu\nserved_model_name: demo\nslo: {{ttft_ms: {SLO['ttft_ms']}, tpot_ms: {SLO['tpot_ms']}}}"
+    with live_server(demo_model, tmp_path_factory.mktemp("overload"), config) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_three_times_capacity_gets_fast_429s_and_keeps_goodput(server, demo_model):
