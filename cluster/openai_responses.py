@@ -348,15 +348,20 @@ def _chat_logprobs(c: ChoiceContent) -> ChatLogprobs | None:
     return lp
 
 
+def _assistant(c: ChoiceContent, numbered_calls: bool) -> dict[str, Any]:
+    """A chat choice's message (or whole-choice delta) fields: with tool calls, the content is what is left
+    (null when nothing)."""
+    return {
+        "role": "assistant",
+        "content": (c.text or None) if c.tool_calls else c.text,
+        **given(tool_calls=_calls(c.tool_calls, numbered=numbered_calls) if c.tool_calls else None),
+    }
+
+
 def chat_choice(c: ChoiceContent) -> ChatChoice:
-    message = AssistantMessage(
-        role="assistant",
-        content=(c.text or None) if c.tool_calls else c.text,
-        **given(tool_calls=_calls(c.tool_calls, numbered=False) if c.tool_calls else None),
-    )
     return ChatChoice(
         index=c.index,
-        message=message,
+        message=AssistantMessage(**_assistant(c, numbered_calls=False)),
         logprobs=_chat_logprobs(c),
         finish_reason=c.finish_reason,
         **given(token_ids=c.token_ids),
@@ -364,15 +369,11 @@ def chat_choice(c: ChoiceContent) -> ChatChoice:
 
 
 def chat_chunk_choice(c: ChoiceContent) -> ChatChunkChoice:
-    """A whole choice as one stream delta (a chat stream with tools, whose calls are known only at the end)."""
-    delta = AssistantDelta(
-        role="assistant",
-        content=(c.text or None) if c.tool_calls else c.text,
-        **given(tool_calls=_calls(c.tool_calls, numbered=True) if c.tool_calls else None),
-    )
+    """A whole choice as one stream delta (a chat stream with tools, whose calls are known only at the end;
+    stream deltas number their calls)."""
     return ChatChunkChoice(
         index=c.index,
-        delta=delta,
+        delta=AssistantDelta(**_assistant(c, numbered_calls=True)),
         logprobs=_chat_logprobs(c),
         finish_reason=c.finish_reason,
         **given(token_ids=c.token_ids),

@@ -155,9 +155,6 @@ class RetryAppointments:
         if self._times and self._times[0] <= now + self.grace_s:
             self._times.popleft()
 
-    def last(self) -> float | None:
-        return self._times[-1] if self._times else None
-
 
 class _ClassState:
     def __init__(self, initial_tokens_per_s: float, window_s: float):

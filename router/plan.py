@@ -99,26 +99,15 @@ def rejection(
     ``appointment``: books the client's return no earlier than the spread wait and gives the seconds until it
     (``AdmissionController.appointment``)."""
     d = plan.decision
-    return too_busy(config, f"{d.route_class.value} requests ({d.reason})", d.retry_after_s or 0, rng, appointment)
-
-
-def too_busy(
-    config: ServeConfig,
-    what: str,
-    wait_s: float,
-    rng: random.Random | None = None,
-    appointment: Callable[[float], float] | None = None,
-) -> APIError:
-    """A 429 for ``what`` with its Retry-After (see ``rejection``)."""
     adm = config.admission
-    wait = max(wait_s, adm.min_retry_after_s)
+    wait = d.retry_after_s or adm.min_retry_after_s
     spread = wait * (1.0 + (rng or random).uniform(0.0, adm.retry_after_jitter))
     if appointment is not None:
         spread = appointment(spread)
     retry = min(max(math.ceil(spread), adm.min_retry_after_s), adm.max_retry_after_s)
     return APIError(
         429,
-        f"server is at capacity for {what}; retry after {retry} s",
+        f"server is at capacity for {d.route_class.value} requests ({d.reason}); retry after {retry} s",
         "rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry)},

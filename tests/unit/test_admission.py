@@ -127,13 +127,14 @@ def test_retry_appointments_are_spaced_held_kept_and_lapse():
 
     book = RetryAppointments(grace_s=1.5, horizon_s=10.0)
     assert [book.book(101.0, 0.5, 100.0) for _ in range(3)] == [101.0, 101.5, 102.0]  # spaced by the finish rate
-    assert book.book(120.0, 0.5, 100.0) == 120.0 and book.last() == 102.0  # past the horizon: advice, not held
+    assert book.book(120.0, 0.5, 100.0) == 120.0  # past the horizon: advice, not held ...
+    assert book.book(100.0, 0.5, 100.0) == 102.5  # ... so the next is spaced after 102.0, not after 120
     assert not book.due(100.5)
     assert book.due(101.0)  # the first is due: the room is held for it
     book.keep(101.2)  # its client came back
     assert book.due(101.6)  # the second one's time has come
-    assert not book.due(104.0)  # ... and both left lapsed 1.5 s after their time
-    assert book.last() is None
+    assert not book.due(104.1)  # ... and the rest lapsed 1.5 s after their times
+    assert book.book(104.1, 0.0, 104.1) == 104.1  # nothing is held any more
 
 
 def test_appointments_follow_the_edge_finish_rate():
