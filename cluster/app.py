@@ -134,7 +134,13 @@ class DecodeServer:
         # gets its own copy of the tokenizer (a copy costs a fraction of loading it again).
         tokenizer = copy.deepcopy(self.worker.engine.engine.tokenizer)
         self.edge: OpenAIServer = OpenAIServer(
-            config, model_dir, self.worker, board, disaggregated=prefill is not None, tokenizer=tokenizer
+            config,
+            model_dir,
+            self.worker,
+            board,
+            disaggregated=prefill is not None,
+            tokenizer=tokenizer,
+            metrics_scope="cluster",  # any decode replica's /metrics is the cluster's (Ray's metrics pipeline)
         )
 
     def __serve_build_asgi_app__(self):

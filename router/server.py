@@ -125,6 +125,7 @@ class OpenAIServer:
         board=None,
         disaggregated: bool = True,
         tokenizer=None,
+        metrics_scope: str = "replica",
     ):
         self.config = config
         self.model_dir = model_dir
@@ -147,7 +148,10 @@ class OpenAIServer:
         self.pool_stats: list[ReplicaStats] = []
         self._stats_at = 0.0
         self._refreshing: asyncio.Task | None = None
-        self.metrics = RouterMetrics(config.slo, stats_source=lambda: self.pool_stats, model_name=config.model_name)
+        #: "cluster" in a serving cluster: every replica's page is the whole cluster's (``RouterMetrics``).
+        self.metrics = RouterMetrics(
+            config.slo, stats_source=lambda: self.pool_stats, model_name=config.model_name, scope=metrics_scope
+        )
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         #: Spreads Retry-After over clients refused together (``router.plan.rejection``).
         self._retry_rng = random.Random()
@@ -213,7 +217,9 @@ class OpenAIServer:
 
     async def metrics_page(self) -> Response:
         await self._refresh_pools()
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # The cluster scope reads every node's Ray endpoint: on a thread, so streams keep flowing meanwhile.
+        page = await asyncio.to_thread(self.metrics.render) if self.metrics.reader else self.metrics.render()
+        return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def admin_pools(self) -> Response:
         if not self.config.enable_admin_api:

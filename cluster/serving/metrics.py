@@ -1,25 +1,28 @@
 """Prometheus metric definitions for the serving cluster, and the pool stats replicas report.
 
-Two sources feed one ``/metrics`` page (served by the router):
+Two sources feed one ``/metrics`` page (served by every decode replica's HTTP edge):
   - client-side latency per route class (TTFT, TPOT, inter-token latency, end-to-end, queue
-    time), goodput under the configured SLOs, rejections: ``RouterMetrics``, observed in the
-    router process;
+    time), goodput under the configured SLOs, rejections: ``RouterMetrics``, observed at the edge;
+    in a serving cluster recorded through Ray's metrics pipeline and read back summed over every
+    replica (``cluster.serving.ray_metrics``), so any replica's page is the cluster's;
   - pool state, transfers and batch geometry: each replica reports a ``ReplicaStats`` snapshot
     (plain numbers, cumulative counters) and the router renders the latest ones at scrape
     time through ``PoolStatsCollector``.
-Each ``RouterMetrics`` owns its registry (no process-global default registry).
+No process-global default registry: a ``RouterMetrics`` renders each page from its own collectors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.serving.config import SLOConfig
 from cluster.serving.messages import ReplicaStats
+from cluster.serving.ray_metrics import ClusterMetricsReader, MetricSpec, RayFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -124,65 +127,113 @@ class RequestTiming:
     num_output_tokens: int = 0
 
 
+#: The families the edge observes on the request path (``RouterMetrics``); the pool families come from replica stats.
+REQUEST_FAMILIES: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "shapeserve_time_to_first_token_seconds", "TTFT at the router", "histogram", ("route",), _LATENCY_BUCKETS
+    ),
+    MetricSpec(
+        "shapeserve_time_per_output_token_seconds",
+        "Mean time per output token after the first",
+        "histogram",
+        ("route",),
+        _TOKEN_BUCKETS,
+    ),
+    MetricSpec(
+        "shapeserve_inter_token_latency_seconds", "Gap between streamed tokens", "histogram", ("route",), _TOKEN_BUCKETS
+    ),
+    MetricSpec(
+        "shapeserve_e2e_request_latency_seconds", "Arrival to last token", "histogram", ("route",), _LATENCY_BUCKETS
+    ),
+    MetricSpec(
+        "shapeserve_queue_time_seconds",
+        "Arrival until a decode replica took the request",
+        "histogram",
+        ("route",),
+        _LATENCY_BUCKETS,
+    ),
+    MetricSpec("shapeserve_requests", "Finished requests", "counter", ("route", "outcome")),
+    MetricSpec("shapeserve_goodput_requests", "Requests meeting the TTFT and TPOT SLOs", "counter", ("route",)),
+    # Every series a dashboard charts exists from the first scrape, at 0 (a labelled counter is exported only
+    # once a label value is used, so a panel of 429s would read "no data" until the first one).
+    MetricSpec(
+        "shapeserve_rejected_requests",
+        "429s by the class whose budget was full",
+        "counter",
+        ("route_class",),
+        zero_series=(("local",), ("remote",)),
+    ),
+    MetricSpec(
+        "shapeserve_request_errors",
+        "Requests answered with an error",
+        "counter",
+        ("status",),
+        zero_series=(("429",), ("500",), ("503",), ("504",)),
+    ),
+    MetricSpec("shapeserve_prompt_tokens", "Prompt tokens of served requests", "counter", ("route",)),
+    MetricSpec("shapeserve_generation_tokens", "Generated tokens", "counter", ("route",)),
+)
+
+
+class _Families:
+    """A fixed list of families as a collector (one render's snapshot)."""
+
+    def __init__(self, families: Iterable[Metric]):
+        self._families = list(families)
+
+    def collect(self):
+        return iter(self._families)
+
+
 class RouterMetrics:
+    """What the edge observes on the request path, and the ``/metrics`` page.
+
+    ``scope="replica"``: recorded in this process's own registry, the page shows this replica's requests (tests,
+    run-batch, a server of one replica). ``scope="cluster"``: recorded through Ray's metrics pipeline and read
+    back summed over every replica of the cluster (``cluster.serving.ray_metrics``), so every replica's page is
+    the whole cluster's; needs a connected Ray worker."""
+
     def __init__(
         self,
         slo: SLOConfig,
         stats_source: Callable[[], Iterable[ReplicaStats]] | None = None,
         model_name: str = "",
+        scope: str = "replica",
+        cluster_reader: ClusterMetricsReader | None = None,
     ):
         self.slo = slo
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        route = ["route"]
-        self.ttft = Histogram(
-            "shapeserve_time_to_first_token_seconds", "TTFT at the router", route, buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.tpot = Histogram(
-            "shapeserve_time_per_output_token_seconds",
-            "Mean time per output token after the first",
-            route,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "shapeserve_inter_token_latency_seconds",
-            "Gap between streamed tokens",
-            route,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "shapeserve_e2e_request_latency_seconds",
-            "Arrival to last token",
-            route,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue = Histogram(
-            "shapeserve_queue_time_seconds",
-            "Arrival until a decode replica took the request",
-            route,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter("shapeserve_requests", "Finished requests", ["route", "outcome"], registry=r)
-        self.good = Counter("shapeserve_goodput_requests", "Requests meeting the TTFT and TPOT SLOs", route, registry=r)
-        self.rejected = Counter(
-            "shapeserve_rejected_requests", "429s by the class whose budget was full", ["route_class"], registry=r
-        )
-        self.errors = Counter("shapeserve_request_errors", "Requests answered with an error", ["status"], registry=r)
-        # Every series a dashboard charts exists from the first scrape, at 0 (a labelled counter is exported only
-        # once a label value is used, so a panel of 429s would read "no data" until the first one).
-        for route_class in ("local", "remote"):
-            self.rejected.labels(route_class)
-        for status in ("429", "500", "503", "504"):
-            self.errors.labels(status)
-        self.prompt_tokens = Counter("shapeserve_prompt_tokens", "Prompt tokens of served requests", route, registry=r)
-        self.generation_tokens = Counter("shapeserve_generation_tokens", "Generated tokens", route, registry=r)
-        if stats_source is not None:
-            r.register(PoolStatsCollector(stats_source))
-        r.register(VLLMNamesCollector(self, model_name, stats_source or (lambda: ())))
+        self.model_name = model_name
+        self.stats_source = stats_source
+        self.scope = scope
+        family: dict[str, Any]  # each with prometheus_client's ``labels(*values).observe / .inc``
+        if scope == "cluster":
+            self.reader: ClusterMetricsReader | None = cluster_reader or ClusterMetricsReader(REQUEST_FAMILIES)
+            self._own: CollectorRegistry | None = None
+            family = {s.name: RayFamily(s) for s in REQUEST_FAMILIES}
+        elif scope == "replica":
+            self.reader = None
+            self._own = CollectorRegistry(auto_describe=True)
+            family = {s.name: _local_family(s, self._own) for s in REQUEST_FAMILIES}
+        else:
+            raise ValueError(f"metrics scope must be 'replica' or 'cluster', not {scope!r}")
+        self.ttft = family["shapeserve_time_to_first_token_seconds"]
+        self.tpot = family["shapeserve_time_per_output_token_seconds"]
+        self.itl = family["shapeserve_inter_token_latency_seconds"]
+        self.e2e = family["shapeserve_e2e_request_latency_seconds"]
+        self.queue = family["shapeserve_queue_time_seconds"]
+        self.requests = family["shapeserve_requests"]
+        self.good = family["shapeserve_goodput_requests"]
+        self.rejected = family["shapeserve_rejected_requests"]
+        self.errors = family["shapeserve_request_errors"]
+        self.prompt_tokens = family["shapeserve_prompt_tokens"]
+        self.generation_tokens = family["shapeserve_generation_tokens"]
+
+    def request_families(self) -> dict[str, Metric]:
+        """The request families as this scope sees them, by name (the cluster scope reads every node: blocking)."""
+        if self.reader is not None:
+            return self.reader.families()
+        assert self._own is not None
+        return {f.name: f for f in self._own.collect()}
 
     def observe_token(self, t: RequestTiming, now: float, n: int = 1) -> None:
         if t.first_token is None:
@@ -211,7 +262,25 @@ class RouterMetrics:
             self.good.labels(route).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The page: the request families, the pool families from replica stats, and the vLLM names of both
+        (the cluster scope reads every node's Ray endpoint: call it off the event loop)."""
+        families = self.request_families()
+        stats = self.stats_source or (lambda: ())
+        page = CollectorRegistry(auto_describe=False)
+        page.register(_Families(families.values()))
+        if self.stats_source is not None:
+            page.register(PoolStatsCollector(self.stats_source))
+        page.register(VLLMNamesCollector(families, self.model_name, stats))
+        return generate_latest(page)
+
+
+def _local_family(spec: MetricSpec, registry: CollectorRegistry) -> Histogram | Counter:
+    if spec.kind == "histogram":
+        return Histogram(spec.name, spec.doc, spec.labels, buckets=spec.buckets, registry=registry)
+    counter = Counter(spec.name, spec.doc, spec.labels, registry=registry)
+    for values in spec.zero_series:
+        counter.labels(*values)
+    return counter
 
 
 class VLLMNamesCollector:
@@ -221,43 +290,42 @@ class VLLMNamesCollector:
 
     #: vLLM histogram -> ours (both in seconds; ours keep their ``route`` label next to ``model_name``).
     HISTOGRAMS = {
-        "vllm:time_to_first_token_seconds": "ttft",
-        "vllm:inter_token_latency_seconds": "itl",
-        "vllm:e2e_request_latency_seconds": "e2e",
-        "vllm:request_queue_time_seconds": "queue",
+        "vllm:time_to_first_token_seconds": "shapeserve_time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds": "shapeserve_inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds": "shapeserve_e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds": "shapeserve_queue_time_seconds",
     }
-    COUNTERS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens"}
+    COUNTERS = {
+        "vllm:prompt_tokens": "shapeserve_prompt_tokens",
+        "vllm:generation_tokens": "shapeserve_generation_tokens",
+    }
 
-    def __init__(self, metrics: RouterMetrics, model_name: str, stats: Callable[[], Iterable[ReplicaStats]]):
-        self.metrics = metrics
+    def __init__(self, families: Mapping[str, Metric], model_name: str, stats: Callable[[], Iterable[ReplicaStats]]):
+        self.families = families
         self.model_name = model_name
         self.stats = stats
 
-    def _renamed(self, name: str, kind: str, source) -> Metric:
-        """``source``'s samples under ``name`` (its suffixes kept: _bucket, _count, _sum, _total), with
+    def _renamed(self, name: str, kind: str, family: Metric) -> Metric:
+        """``family``'s samples under ``name`` (its suffixes kept: _bucket, _count, _sum, _total), with
         ``model_name`` added to their labels."""
-        out = Metric(name, "", kind)
-        for family in source.collect():
-            out.documentation = f"{family.documentation} (vLLM name)"
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                suffix = sample.name[len(family.name) :]
-                out.add_sample(name + suffix, {"model_name": self.model_name, **sample.labels}, sample.value)
+        out = Metric(name, f"{family.documentation} (vLLM name)", kind)
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            suffix = sample.name[len(family.name) :]
+            out.add_sample(name + suffix, {"model_name": self.model_name, **sample.labels}, sample.value)
         return out
 
     def collect(self):
-        m = self.metrics
-        for name, attr in self.HISTOGRAMS.items():
-            yield self._renamed(name, "histogram", getattr(m, attr))
-        for name, attr in self.COUNTERS.items():
-            yield self._renamed(name, "counter", getattr(m, attr))
+        for name, ours in self.HISTOGRAMS.items():
+            yield self._renamed(name, "histogram", self.families[ours])
+        for name, ours in self.COUNTERS.items():
+            yield self._renamed(name, "counter", self.families[ours])
         success = Metric("vllm:request_success", "Requests that finished without an error (vLLM name)", "counter")
-        for family in m.requests.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels.get("outcome") == "ok":
-                    labels = {"model_name": self.model_name, "route": sample.labels["route"]}
-                    success.add_sample("vllm:request_success_total", labels, sample.value)
+        for sample in self.families["shapeserve_requests"].samples:
+            if sample.name.endswith("_total") and sample.labels.get("outcome") == "ok":
+                labels = {"model_name": self.model_name, "route": sample.labels["route"]}
+                success.add_sample("vllm:request_success_total", labels, sample.value)
         yield success
         decode = [s for s in self.stats() if s.pool == "decode"]
 

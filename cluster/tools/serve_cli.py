@@ -21,6 +21,12 @@ from cluster.engine.host_memory import ARENA_ENV
 from cluster.errors import ShapeserveError
 from cluster.tool_calls import TOOL_CALL_PARSERS
 
+#: The local Ray's metrics endpoint, where ``ray start --metrics-export-port`` puts it on a cluster's nodes.
+RAY_METRICS_PORT = 8080
+#: How often Ray's workers push their metrics to the node's agent: how far /metrics may lag behind the requests
+#: (Ray's default is 10 s; 5 s costs about 0.5% of a core more in Ray's processes on a 2-core node).
+RAY_METRICS_REPORT_INTERVAL_MS = 5000
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: the demo model)")
@@ -52,11 +58,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='how tool calls are found in the output for tool_choice "auto" (the format the model was trained on)',
     )
     parser.add_argument(
+        "--ray-metrics-port",
+        type=int,
+        default=RAY_METRICS_PORT,
+        help="port of the local Ray's metrics endpoint (Ray's and Serve's series, the source of /metrics's request "
+        f"families; default {RAY_METRICS_PORT}, another free one when it is taken)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SHAPESERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $SHAPESERVE_API_KEY; "
         "the variable keeps the key out of the process list)",
     )
+
+
+def ray_metrics_urls() -> str:
+    from cluster.serving.ray_metrics import alive_node_endpoints
+
+    return ", ".join(f"http://{endpoint}/metrics" for endpoint in alive_node_endpoints())
 
 
 def _wait_ready(url: str, timeout_s: float) -> bool:
@@ -158,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ.update(direct_ingress_env(config.port))  # read by the Serve processes Ray starts below
     if own_ray:
         os.environ.update(ARENA_ENV)  # every process of our local Ray: see cluster.engine.host_memory
+    metrics_port = args.ray_metrics_port
+    if own_ray and not port_is_free("0.0.0.0", metrics_port):
+        print(f"note: port {metrics_port} is taken; Ray's metrics endpoint takes another one", flush=True)
+        metrics_port = None
     deployed = False
     try:
         if own_ray:
@@ -169,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
                 configure_logging=False,
                 # Ray starts workers at nice 15, below its own daemons and any client on the machine; the
                 # replicas here are the service, so they run at normal priority.
-                _system_config={"worker_niceness": 0},
+                _system_config={"worker_niceness": 0, "metrics_report_interval_ms": RAY_METRICS_REPORT_INTERVAL_MS},
+                _metrics_export_port=metrics_port,
             )
             if config.kv_transfer_host is None:  # one machine: keep KV transfer off the network
                 config = config.with_overrides(kv_transfer_host="127.0.0.1")
@@ -188,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(map(repr, config.served_model_names))
         key = "; an API key is required" if config.api_key else ""
         print(f"shapeserve is serving {names} at {url}/v1 ({how}{key}; Ctrl-C to stop)", flush=True)
+        print(f"metrics: {url}/metrics (the whole cluster's); Ray's and Serve's: {ray_metrics_urls()}", flush=True)
         while not stop.wait(0.5):
             pass
         print("shutting down", flush=True)

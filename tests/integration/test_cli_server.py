@@ -13,10 +13,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.tools.cli import main as cli_main
-from tests.integration.live_server import live_server
+from tests.integration.live_server import live_server, settled_scrape, total
 from tests.integration.otlp_collector import OTLPCollector
 
 pytestmark = pytest.mark.slow
@@ -210,16 +209,6 @@ def test_client_disconnect_frees_every_block(server):
     assert all(r["kv_blocks_used"] == 0 and r["active_requests"] == 0 for r in reps), reps
 
 
-def metric_sum(url: str, name: str, **labels) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def test_bench_counts_match_the_server_metrics(server, tmp_path):
     workload = tmp_path / "small.json"
     workload.write_text(
@@ -248,17 +237,9 @@ def test_bench_counts_match_the_server_metrics(server, tmp_path):
             }
         )
     )
-    ok_before = metric_sum(server.url, "shapeserve_requests_total", outcome="ok")
-    tokens_before = metric_sum(server.url, "shapeserve_generation_tokens_total")
-    # The same counts under vLLM's names, for dashboards built for vLLM.
-    vllm_before = {
-        name: metric_sum(server.url, name)
-        for name in (
-            "vllm:request_success_total",
-            "vllm:generation_tokens_total",
-            "vllm:e2e_request_latency_seconds_count",
-        )
-    }
+    # The same counts under vLLM's names too, for dashboards built for vLLM.
+    names = ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count")
+    before = settled_scrape(server.url)
     report = tmp_path / "report.json"
     argv = ["bench", "--base-url", f"{server.url}/v1", "--workload", str(workload), "--vocab-size", "512"]
     assert cli_main([*argv, "--output-json", str(report), "--plot-dir", str(tmp_path / "plots"), "--no-progress"]) == 0
@@ -266,10 +247,15 @@ def test_bench_counts_match_the_server_metrics(server, tmp_path):
     assert result["all"]["completed"] == result["all"]["requests"] == 10 and result["all"]["failed"] == 0
     assert set(result["by_class"]) == {"chat", "doc"}
     assert result["all"]["good_requests"] == 10
-    assert metric_sum(server.url, "shapeserve_requests_total", outcome="ok") - ok_before == 10
-    tokens = metric_sum(server.url, "shapeserve_generation_tokens_total") - tokens_before
+    after = settled_scrape(server.url)
+
+    def moved(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("shapeserve_requests_total", outcome="ok") == 10
+    tokens = moved("shapeserve_generation_tokens_total")
     assert tokens == result["all"]["output_tokens"] == sum(r["expected_output_tokens"] for r in result["records"])
-    vllm = {name: metric_sum(server.url, name) - before for name, before in vllm_before.items()}
+    vllm = {name: moved(name) for name in names}
     assert vllm == {
         "vllm:request_success_total": 10,
         "vllm:generation_tokens_total": tokens,
@@ -283,8 +269,7 @@ def test_every_series_the_grafana_dashboard_charts_is_in_the_scrape(server):
     # After the traffic of the tests above (LOCAL and REMOTE requests, so transfer counters exist too).
     from tests.unit.test_grafana_dashboard import dashboard_metrics
 
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    scraped = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    scraped = {name for name, _ in settled_scrape(server.url)}
     charted = dashboard_metrics()
     assert charted and charted <= scraped, sorted(charted - scraped)
 

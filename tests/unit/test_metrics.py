@@ -114,3 +114,75 @@ def test_error_and_rejection_series_exist_before_the_first_one():
         'shapeserve_request_errors_total{status="503"} 0.0',
     ):
         assert line in text
+
+
+# ---- the cluster scope: Ray's endpoints read back and summed --------------------------------------------------
+
+_RAY_LABELS = 'Component="core_worker",NodeAddress="{node}",SessionName="s",Version="2.60.0",WorkerId="{worker}"'
+
+
+def ray_page(node: str, worker_counts: dict[str, tuple[int, float]]) -> str:
+    """A node's Ray endpoint as Ray 2.60 writes it: Ray's own series, then ours prefixed ``ray_`` with the process
+    labels Ray adds; ``worker_counts``: worker -> (requests served, TTFT of each)."""
+    lines = ["# HELP ray_tasks Current number of tasks", "# TYPE ray_tasks gauge", 'ray_tasks{State="RUNNING"} 3.0']
+    lines += ["# HELP ray_shapeserve_requests_total Finished requests", "# TYPE ray_shapeserve_requests_total counter"]
+    for worker, (n, _) in worker_counts.items():
+        labels = _RAY_LABELS.format(node=node, worker=worker)
+        lines.append(f'ray_shapeserve_requests_total{{{labels},outcome="ok",route="local"}} {float(n)}')
+    lines += [
+        "# HELP ray_shapeserve_time_to_first_token_seconds TTFT at the router",
+        "# TYPE ray_shapeserve_time_to_first_token_seconds histogram",
+    ]
+    for worker, (n, ttft) in worker_counts.items():
+        labels = _RAY_LABELS.format(node=node, worker=worker) + ',route="local"'
+        for le in ("0.1", "1.0", "+Inf"):
+            count = n if ttft <= float(le) else 0
+            lines.append(f'ray_shapeserve_time_to_first_token_seconds_bucket{{{labels},le="{le}"}} {float(count)}')
+        lines.append(f"ray_shapeserve_time_to_first_token_seconds_count{{{labels}}} {float(n)}")
+        lines.append(f"ray_shapeserve_time_to_first_token_seconds_sum{{{labels}}} {n * ttft}")
+    return "\n".join(lines) + "\n"
+
+
+def test_cluster_scope_sums_every_process_of_every_node_and_keeps_a_silent_nodes_counts():
+    from cluster.serving.metrics import REQUEST_FAMILIES
+    from cluster.serving.ray_metrics import ClusterMetricsReader
+
+    pages = {
+        "a:8080": ray_page("a", {"w1": (3, 0.05), "w2": (2, 0.5)}),  # w2: a replica that died; Ray keeps its series
+        "b:8080": ray_page("b", {"w3": (4, 0.05)}),
+    }
+
+    def fetch(endpoint: str) -> str:
+        page = pages[endpoint]
+        if page is None:
+            raise OSError("connection refused")
+        return page
+
+    reader = ClusterMetricsReader(REQUEST_FAMILIES, endpoints=lambda: list(pages), fetch=fetch)
+    m = RouterMetrics(SLOConfig(), model_name="llama", scope="replica")
+    m.reader = reader  # the page of the cluster scope, without recording through Ray
+
+    def scrape() -> dict[str, float]:
+        text = m.render().decode()
+        return {
+            f"{s.name}{sorted(s.labels.items())}": s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    first = scrape()
+    assert first["shapeserve_requests_total[('outcome', 'ok'), ('route', 'local')]"] == 9
+    assert first["shapeserve_time_to_first_token_seconds_count[('route', 'local')]"] == 9
+    assert first["shapeserve_time_to_first_token_seconds_bucket[('le', '0.1'), ('route', 'local')]"] == 7
+    assert first["shapeserve_time_to_first_token_seconds_bucket[('le', '+Inf'), ('route', 'local')]"] == 9
+    assert first["vllm:time_to_first_token_seconds_count[('model_name', 'llama'), ('route', 'local')]"] == 9
+    assert first["vllm:request_success_total[('model_name', 'llama'), ('route', 'local')]"] == 9
+    assert first["shapeserve_request_errors_total[('status', '503')]"] == 0  # zero series before the first one
+    assert not any("WorkerId" in key or "ray_tasks" in key for key in first)  # Ray's labels and series stay out
+
+    pages["b:8080"] = None  # node b does not answer this scrape: its last counts stand in
+    assert scrape() == first and reader.failed_reads == 1
+    pages["b:8080"] = ray_page("b", {"w3": (6, 0.05)})
+    later = scrape()
+    assert later["shapeserve_requests_total[('outcome', 'ok'), ('route', 'local')]"] == 11
+    assert all(later[key] >= value for key, value in first.items())  # counters only grow
