@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.engine.host_memory import ARENA_ENV
-from cluster.serving.autoscaling import replica_env, serve_autoscaling_config
+from cluster.serving.autoscaling import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, replica_env, serve_autoscaling_config
 from cluster.serving.config import PoolConfig, ServeConfig
 from cluster.serving.messages import PrefillResult, PrefillTask, ReplicaStats
 from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
@@ -185,7 +185,8 @@ def _pool_options(
         # start of its own.)
         actor["runtime_env"] = {"env_vars": dict(ARENA_ENV)}
     if pool.autoscaling is not None:
-        actor.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(replica_env(pool.autoscaling))
+        env = replica_env(pool.autoscaling, config.pool_ratio)
+        actor.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env)
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     opts: dict[str, Any] = {
@@ -206,7 +207,7 @@ def _pool_options(
     }
     if pool.autoscaling is not None:
         opts["autoscaling_config"] = serve_autoscaling_config(
-            "prefill" if "Prefill" in name else "decode", pool.autoscaling
+            "prefill" if name == PREFILL_DEPLOYMENT else "decode", pool.autoscaling, config.pool_ratio
         )
     else:
         opts["num_replicas"] = pool.num_replicas
@@ -233,11 +234,11 @@ def build_app(
     )(PoolBoard).bind(stale_after_s=max(3.0, 6 * config.routing_stats_period_s))
     prefill = None
     if placement.prefill is not None:
-        options = _pool_options("PrefillWorker", config.prefill, placement.prefill, config, PrefillRequestRouter)
+        options = _pool_options(PREFILL_DEPLOYMENT, config.prefill, placement.prefill, config, PrefillRequestRouter)
         prefill = serve.deployment(**options)(PrefillServer).bind(
             config, model_dir, board, placement.prefill.num_threads
         )
-    options = _pool_options("DecodeWorker", config.decode, placement.decode, config, DecodeRequestRouter)
+    options = _pool_options(DECODE_DEPLOYMENT, config.decode, placement.decode, config, DecodeRequestRouter)
     return serve.deployment(**options)(DecodeServer).bind(
         config, model_dir, prefill, board, placement.decode.num_threads
     )

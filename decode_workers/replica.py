@@ -22,6 +22,7 @@ from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.serving.async_engine import AsyncEngine
 from cluster.serving.config import ServeConfig
 from cluster.serving.messages import (
+    DecodeAutoscalingStats,
     DecodeRoutingStats,
     GenerateTask,
     ReplicaStats,
@@ -49,6 +50,8 @@ class DecodeWorker:
         self.replica_id = replica_id
         self.block_size = engine.engine.kv_layout.block_size
         self.counters = TransferCounters()
+        #: Prompt tokens of the REMOTE requests handed to the prefill pool (the class mix the autoscaler reads).
+        self.remote_prompt_tokens = 0
         self.reporter: ReplicaReporter | None = None
 
     @classmethod
@@ -97,6 +100,7 @@ class DecodeWorker:
         spans = RequestSpans(task.trace_context)
         try:
             if remote is not None and await remote.reserve():
+                self.remote_prompt_tokens += len(task.prompt_token_ids)
                 spans.waited_for_blocks()
                 yield Started(Route.REMOTE, self.replica_id)
                 await remote.run()
@@ -149,7 +153,7 @@ class DecodeWorker:
 
     def autoscaling_stats(self) -> dict[str, float]:
         e = self.engine.stats()
-        return {"kv_usage": e.kv_usage, "running_seqs": float(e.running)}
+        return DecodeAutoscalingStats(e.kv_usage, e.running, self.remote_prompt_tokens).as_dict()
 
     def check_health(self) -> None:
         if not self.engine.alive:

@@ -19,8 +19,15 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.serving import tracing
 from cluster.serving.async_engine import AsyncEngine
 from cluster.serving.config import ServeConfig
-from cluster.serving.messages import PrefillResult, PrefillRoutingStats, PrefillTask, ReplicaStats, TransferCounters
-from cluster.serving.replica_lifecycle import ReplicaReporter, transfer_config
+from cluster.serving.messages import (
+    PrefillAutoscalingStats,
+    PrefillResult,
+    PrefillRoutingStats,
+    PrefillTask,
+    ReplicaStats,
+    TransferCounters,
+)
+from cluster.serving.replica_lifecycle import ReplicaReporter, seconds_since_process_start, transfer_config
 from kv_transfer import KVSender, LeaseState, PagedKV
 
 log = logging.getLogger("ray.serve")
@@ -41,6 +48,10 @@ class PrefillWorker:
             config=transfer_config(config),
         )
         self.counters = TransferCounters()
+        #: Prompt tokens prefilled (with the engine's busy seconds: this replica's measured throughput).
+        self.prompt_tokens = 0
+        #: Seconds from this process's start to the end of ``start`` (measured there).
+        self.startup_s = 0.0
         self.reporter: ReplicaReporter | None = None
 
     @classmethod
@@ -53,6 +64,7 @@ class PrefillWorker:
         worker = cls(config, engine, replica_id)
         if board is not None:
             worker.reporter = ReplicaReporter.start(engine, board, worker.stats, config.routing_stats_period_s)
+        worker.startup_s = seconds_since_process_start()
         return worker
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -86,6 +98,7 @@ class PrefillWorker:
             tracing.record("shapeserve.prefill", task.trace_context, scheduled_ns, computed_ns, prompt, out.error)
         if out.error is not None:  # the decode side retries elsewhere or prefills locally
             raise RuntimeError(f"prefill of {rid} failed in the engine: {out.error}")
+        self.prompt_tokens += len(task.prompt_token_ids)
         t0 = time.perf_counter()
         lease = task.lease
         ids = (await self.engine.held_kv_blocks(rid))[lease.first_block :]
@@ -145,7 +158,10 @@ class PrefillWorker:
         return PrefillRoutingStats(e.queued_prefill_tokens, e.kv_blocks_free, e.running)
 
     def autoscaling_stats(self) -> dict[str, float]:
-        return {"queued_prefill_tokens": float(self.engine.stats().queued_prefill_tokens)}
+        e = self.engine.stats()
+        return PrefillAutoscalingStats(
+            e.queued_prefill_tokens, self.prompt_tokens, e.step_seconds, self.startup_s
+        ).as_dict()
 
     def check_health(self) -> None:
         if not self.engine.alive:

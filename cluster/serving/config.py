@@ -39,14 +39,34 @@ class AutoscalingThresholds(_Frozen):
     #: decode: KV use and running sequences are read as their peak over this many seconds (Serve's look-back
     #: mean would average a short spike away).
     spike_window_s: float = Field(5.0, gt=0)
-    #: prefill: how far ahead the queue is predicted from its trend: a replica asked for now serves after
-    #: about this long (Ray worker + model load; ``python -m bench.startup`` shows the replica's part).
+    #: prefill: how far ahead the queue is predicted from its trend (a replica asked for now serves about this
+    #: much later) until a prefill replica reports its measured start-up (worker process start to the end of
+    #: its ``__init__``), which replaces it.
     replica_startup_s: float = Field(20.0, ge=0)
+    #: prefill: the measured start-up is used within [min, max]. It starts at the replica's process, so what comes
+    #: before (scheduling, a new node's start) is not in it: raise the min where new replicas wait for a node. A
+    #: process Ray started long before it was given the replica would read as a very long start-up: the max.
+    min_replica_startup_s: float = Field(0.0, ge=0)
+    max_replica_startup_s: float = Field(120.0, ge=0)
     #: prefill: the window the queue's trend is fitted over.
     trend_window_s: float = Field(10.0, gt=0)
     #: How often each replica samples its load and pushes the samples to Serve's controller (Serve's default
     #: push, every 10 s, leaves a decision up to 10 s behind the load); set in the replica's environment.
     metrics_push_interval_s: float = Field(1.0, gt=0)
+
+
+class PoolRatioConfig(_Frozen):
+    """The prefill:decode replica ratio the application-level policy keeps (``cluster.serving.pool_ratio``): the
+    prefill replicas the observed class mix needs per decode replica, within a band."""
+
+    #: The ratio the mix needs is bounded to [min, max] prefill replicas per decode replica, whatever it measures.
+    min_prefill_per_decode: float = Field(0.1, ge=0)
+    max_prefill_per_decode: float = Field(4.0, gt=0)
+    #: The band around the needed ratio r is [r / (1 + band), r x (1 + band)]; it moves only when a measured ratio
+    #: falls outside it, so a noisy mix does not move replicas.
+    band: float = Field(0.25, gt=0, le=4)
+    #: The window the class mix and the prefill replicas' throughput are measured over (seconds).
+    mix_window_s: float = Field(30.0, gt=0)
 
 
 class PoolConfig(_Frozen):
@@ -179,6 +199,9 @@ class ServeConfig(_Frozen):
     timeouts: TimeoutConfig = TimeoutConfig()
     slo: SLOConfig = SLOConfig()
     tracing: TracingConfig = TracingConfig()
+    #: Keep the prefill:decode replica ratio near what the class mix needs (both pools autoscaled); applied by
+    #: the application-level policy of a Serve config (``deploy/serve-app.yaml``), not by ``shapeserve serve``.
+    pool_ratio: PoolRatioConfig | None = None
     #: KV data plane of kv_transfer (leases + gRPC control plane); auto picks the fastest both sides support.
     transport: Literal["auto", "grpc", "gloo", "nccl"] = "auto"
     #: Separate prefill pool: "on", "off" (the decode replicas prefill everything themselves), or "auto":
@@ -208,11 +231,24 @@ class ServeConfig(_Frozen):
                 raise ValueError(
                     f"{name}.autoscaling.min_replicas: {a.min_replicas} is above max_replicas {a.max_replicas}"
                 )
+            if a is not None and a.min_replica_startup_s > a.max_replica_startup_s:
+                raise ValueError(
+                    f"{name}.autoscaling.min_replica_startup_s: {a.min_replica_startup_s} is above "
+                    f"max_replica_startup_s {a.max_replica_startup_s}"
+                )
             if a is not None and a.kv_usage_scale_down >= a.kv_usage_scale_up:
                 raise ValueError(
                     f"{name}.autoscaling.kv_usage_scale_down: {a.kv_usage_scale_down} must be below "
                     f"kv_usage_scale_up {a.kv_usage_scale_up}"
                 )
+        r = self.pool_ratio
+        if r is not None and (self.prefill.autoscaling is None or self.decode.autoscaling is None):
+            raise ValueError("pool_ratio: needs both pools autoscaled (prefill.autoscaling and decode.autoscaling)")
+        if r is not None and r.min_prefill_per_decode > r.max_prefill_per_decode:
+            raise ValueError(
+                f"pool_ratio.min_prefill_per_decode: {r.min_prefill_per_decode} is above max_prefill_per_decode "
+                f"{r.max_prefill_per_decode}"
+            )
         names = self.served_model_name
         if isinstance(names, list) and (not names or any(not n for n in names)):
             raise ValueError("served_model_name: give one or more non-empty names")

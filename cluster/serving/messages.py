@@ -210,3 +210,32 @@ class PrefillRoutingStats:
     def from_dict(cls, d: dict[str, Any] | None) -> PrefillRoutingStats:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+
+@dataclass(frozen=True)
+class PrefillAutoscalingStats:
+    """A prefill replica's sample for the autoscaling policies (``cluster.serving.autoscaling``)."""
+
+    queued_prefill_tokens: float = 0.0
+    #: Counters since the replica started: prompt tokens it prefilled and its engine's busy seconds (their rates'
+    #: quotient over a window is the replica's throughput).
+    prompt_tokens: float = 0.0
+    busy_s: float = 0.0
+    #: Seconds from the replica's process start to the end of its start-up (measured once; 0: not measured).
+    startup_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class DecodeAutoscalingStats:
+    """A decode replica's sample for the autoscaling policies (``cluster.serving.autoscaling``)."""
+
+    kv_usage: float = 0.0
+    running_seqs: float = 0.0
+    #: Counter since the replica started: prompt tokens of the REMOTE requests it handed to the prefill pool.
+    remote_prompt_tokens: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}

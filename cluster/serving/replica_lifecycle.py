@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,3 +67,11 @@ def transfer_config(config: ServeConfig, host: str | None = None) -> KVTransferC
         host=host or "127.0.0.1",
         lease_ttl_s=config.timeouts.lease_ttl_s,
     )
+
+
+def seconds_since_process_start() -> float:
+    """Seconds since this process started: called at the end of a replica's start-up, its measured start-up (Ray
+    starts a worker process for each replica: imports, engine, weights and kernel probes all count)."""
+    import psutil  # Ray ships it (ray/thirdparty_files, on the path once ray is imported): every replica has it
+
+    return max(0.0, time.time() - psutil.Process().create_time())

@@ -201,6 +201,14 @@ def run(args: argparse.Namespace) -> int:
             ray.init(address=args.address, log_to_driver=False)
         placement = place_pools(config, *cluster_resources())
         print(describe(placement), flush=True)
+        if config.pool_ratio is not None:
+            # serve.run deploys without an application config, and Serve 2.60 takes an application-level
+            # autoscaling policy only from one (cluster/serving/autoscaling.py).
+            print(
+                "note: pool_ratio is applied by the application-level autoscaling policy of a Serve config file "
+                "(serve run / serve deploy deploy/serve-app.yaml); here each pool scales on its own load",
+                flush=True,
+            )
         serve.start(http_options={"host": config.host, "port": proxy_port})
         serve.run(build_app(config, model_dir, placement), name=APP_NAME, route_prefix="/", blocking=False)
         deployed = True

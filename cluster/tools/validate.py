@@ -6,8 +6,9 @@ Each file is recognised by its top-level keys and checked by its own authority:
   ``validate_config(prepare_config(...))``, plus ``min_workers <= max_workers`` per node type;
 - a Serve config (``serve deploy`` / ``serve run``; ``applications``): Serve's ``ServeDeploySchema``,
   then for every application built by ``cluster.app:app_builder`` its ``args`` (``config`` and
-  ``overrides``) as the builder reads them, and no ``deployments`` entry that would override what the
-  ServeConfig decides (replica counts, autoscaling);
+  ``overrides``) as the builder reads them, no ``deployments`` entry that would override what the
+  ServeConfig decides (replica counts, autoscaling), no application-level ``autoscaling_policy`` but
+  ours, and ours where the ServeConfig sets a ``pool_ratio`` (only it applies one);
 - a ServeConfig (``shapeserve serve --config``; ``shapeserve:`` or its fields at the top): its pydantic model.
 
 Given a cluster file and a ServeConfig together (directly or through a Serve config's ``args.config``), each
@@ -35,6 +36,8 @@ APP_BUILDER = "cluster.app:app_builder"
 #: Deployment options the ServeConfig owns: setting them in a Serve config would make two sources of truth.
 _OWNED_DEPLOYMENT_OPTIONS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests")
 _POOL_DEPLOYMENTS = {"PrefillWorker": "prefill", "DecodeWorker": "decode"}
+#: The application-level autoscaling policy that decides both pools from the ServeConfig.
+APP_POLICY = "cluster.serving.autoscaling:ApplicationAutoscalingPolicy"
 
 
 @dataclass
@@ -56,8 +59,9 @@ class Checked:
     clusters: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     #: (file the ServeConfig came from, ServeConfig) of every valid one.
     serve_configs: list[tuple[str, Any]] = field(default_factory=list)
-    #: (file, key, path on the nodes) of ServeConfigs named by a Serve config that are not on this machine.
-    remote_paths: list[tuple[str, str, str]] = field(default_factory=list)
+    #: (file, key, path on the nodes, application key, whether it sets our application-level policy) of
+    #: ServeConfigs named by a Serve config that are not on this machine.
+    remote_paths: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
     summaries: dict[str, str] = field(default_factory=dict)
 
 
@@ -141,9 +145,20 @@ def _check_serve_app(path: str, data: dict[str, Any], out: Checked) -> None:
         where = f"applications.{i}"
         if app.import_path != APP_BUILDER:
             continue
-        config = serve_config_from_app_args(dict(app.args or {}), path, where, out)
+        policy = (app.autoscaling_policy or {}).get("policy_function")
+        if policy is not None and policy != APP_POLICY:
+            out.problems.append(
+                Problem(
+                    path,
+                    f"{where}.autoscaling_policy.policy_function",
+                    f"an application-level policy replaces the pools' own, whose thresholds come from the "
+                    f"ServeConfig; use {APP_POLICY} (it reads them) or none",
+                )
+            )
+        config = serve_config_from_app_args(dict(app.args or {}), path, where, out, policy == APP_POLICY)
         if config is not None:
             out.serve_configs.append((f"{path} ({where})", config))
+            out.problems.extend(_pool_ratio_needs_app_policy(path, where, config, policy == APP_POLICY))
         for j, deployment in enumerate(app.deployments or []):
             pool = _POOL_DEPLOYMENTS.get(deployment.name)
             owned = [k for k in _OWNED_DEPLOYMENT_OPTIONS if k in deployment.model_fields_set] if pool else []
@@ -160,16 +175,19 @@ def _check_serve_app(path: str, data: dict[str, Any], out: Checked) -> None:
         out.summaries[path] = f"Serve config ({len(schema.applications)} application(s))"
 
 
-def serve_config_from_app_args(args: dict[str, Any], path: str, where: str, out: Checked) -> Any | None:
+def serve_config_from_app_args(
+    args: dict[str, Any], path: str, where: str, out: Checked, app_policy: bool = False
+) -> Any | None:
     """The ServeConfig the builder makes of ``args``, or None after noting why not in ``out``. A ``config`` that
     is a path on the cluster's nodes (not on this machine) is left for the cluster files' ``file_mounts``; a
-    ``config`` file here has its own problems reported under its own name."""
+    ``config`` file here has its own problems reported under its own name. ``app_policy``: the application sets
+    our application-level policy (checked against the ServeConfig once it is read)."""
     from cluster.serving.config import serve_config_from_app_args as build
 
     config_path = args.get("config")
     if isinstance(config_path, str):
         if not Path(config_path).is_file():
-            out.remote_paths.append((path, f"{where}.args.config", config_path))
+            out.remote_paths.append((path, f"{where}.args.config", config_path, where, app_policy))
             return None
         own = Checked()
         _check_shapeserve_file(config_path, own)
@@ -182,6 +200,16 @@ def serve_config_from_app_args(args: dict[str, Any], path: str, where: str, out:
         key = e.param or f"{where}.args"
         out.problems.append(Problem(path, key, e.message.removeprefix(f"{key}: ")))
         return None
+
+
+def _pool_ratio_needs_app_policy(path: str, where: str, config: Any, app_policy: bool) -> list[Problem]:
+    if config.pool_ratio is None or app_policy:
+        return []
+    message = (
+        f"the ServeConfig's pool_ratio is applied only by the application-level policy; set autoscaling_policy: "
+        f"{{policy_function: {APP_POLICY}}}"
+    )
+    return [Problem(path, f"{where}.autoscaling_policy", message)]
 
 
 # ---- ServeConfig files -----------------------------------------------------------------------------------------
@@ -220,7 +248,7 @@ def _check_shapeserve_file(path: str, out: Checked) -> None:
 
 def _check_across(out: Checked) -> None:
     # ServeConfigs named by a Serve config by their path on the nodes: found through a cluster file's mounts.
-    for app_file, key, remote in out.remote_paths:
+    for app_file, key, remote, where, app_policy in out.remote_paths:
         local = _through_file_mounts(remote, out.clusters)
         if local is None:
             hint = (
@@ -234,6 +262,8 @@ def _check_across(out: Checked) -> None:
         _check_shapeserve_file(str(local), own)
         out.problems.extend(own.problems)
         out.serve_configs.extend((f"{file} (as {remote})", config) for file, config in own.serve_configs)
+        for _, config in own.serve_configs:
+            out.problems.extend(_pool_ratio_needs_app_policy(app_file, where, config, app_policy))
     for cluster_file, cluster in out.clusters:
         for config_file, config in out.serve_configs:
             out.problems.extend(_pools_fit(config_file, config, cluster_file, cluster))

@@ -1,6 +1,8 @@
 """A pool scales on a real multi-node local Ray cluster: a load ramp takes it from 1 replica to 2, the end of the
 load back to 1, and every request of the run completes (the replica that left drained first). One test per pool:
-the decode pool on running sequences, the prefill pool on queued prompt tokens (REMOTE requests)."""
+the decode pool on running sequences, the prefill pool on queued prompt tokens (REMOTE requests); and the
+application-level policy of a Serve config, which keeps the prefill pool beside the decode pool at the ratio the
+class mix needs."""
 
 from __future__ import annotations
 
@@ -145,7 +147,13 @@ def test_prefill_pool_scales_up_under_long_prompts_and_drains_down(demo_model):
             "max_num_batched_tokens": 32,
             # 8 clients keep ~8 prompts of 400 tokens queued; one client at most one (600 leaves room for its
             # queue's sawtooth trend, extrapolated replica_startup_s ahead).
-            "autoscaling": {**FAST_POLICY, "replica_startup_s": 0.5, "target_queued_prefill_tokens_per_replica": 600},
+            # (max_replica_startup_s: the replicas' measured start-up, several seconds here, would stretch it)
+            "autoscaling": {
+                **FAST_POLICY,
+                "replica_startup_s": 0.5,
+                "max_replica_startup_s": 0.5,
+                "target_queued_prefill_tokens_per_replica": 600,
+            },
         },
         "decode": {**POOL, "resources": {"decode": 1}},
         "timeouts": {"request_timeout_s": 60, "prefill_timeout_s": 30},
@@ -157,3 +165,74 @@ def test_prefill_pool_scales_up_under_long_prompts_and_drains_down(demo_model):
     nodes = [{"prefill": 1}, {"prefill": 1}, {"decode": 1}]
     # Prompts, not outputs: two tokens each, so the prefill pool is what the load fills.
     scale_up_and_down(demo_model, config, nodes, "PrefillWorker", long, max_tokens=2, ramp_clients=8)
+
+
+def test_application_policy_keeps_the_prefill_pool_beside_decode(demo_model):
+    """Deployed from a Serve config with the application-level policy, as ``serve deploy deploy/serve-app.yaml``
+    does: a light long-prompt load that the prefill pool's own policy would serve with one replica (its queue
+    target is far above it) takes it to 2, because the ratio's lower bound (2.5 prefill per decode replica, beside
+    the one decode replica) asks for it; once the load stops, the pool goes back to 1 on its own load."""
+    restore_auth = disable_ray_token_auth()
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import APP_NAME
+
+    port = _free_port()
+    overrides = {
+        "model": str(demo_model),
+        "device": "cpu",
+        "host": "127.0.0.1",
+        "port": port,
+        "served_model_name": "demo",
+        "disaggregation": "on",
+        "kv_transfer_host": "127.0.0.1",
+        "classifier": {"local_max_uncached_tokens": 32},
+        "prefill": {
+            **POOL,
+            "resources": {"prefill": 1},
+            "autoscaling": {**FAST_POLICY, "target_queued_prefill_tokens_per_replica": 100_000},
+        },
+        "decode": {**POOL, "resources": {"decode": 1}, "autoscaling": {**FAST_POLICY, "max_replicas": 1}},
+        "pool_ratio": {"min_prefill_per_decode": 2.5, "max_prefill_per_decode": 4, "mix_window_s": 5},
+        "timeouts": {"request_timeout_s": 60, "prefill_timeout_s": 30},
+    }
+    app = {
+        "name": APP_NAME,
+        "route_prefix": "/",
+        "import_path": "cluster.app:app_builder",
+        "autoscaling_policy": {"policy_function": "cluster.serving.autoscaling:ApplicationAutoscalingPolicy"},
+        "args": {"overrides": overrides},
+    }
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    for node in ({"prefill": 1}, {"prefill": 1}, {"decode": 1}):
+        cluster.add_node(num_cpus=1, resources=node)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        client = serve_start(http_options={"host": "127.0.0.1", "port": port})
+        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+        url = f"http://127.0.0.1:{port}"
+        _wait(lambda: httpx.get(f"{url}/health").status_code == 200, 180)
+        assert replicas(APP_NAME, "PrefillWorker") == 1
+
+        def long(i: int) -> list[int]:  # 200 tokens, REMOTE, each new to the prefix cache
+            return [4 + i % 400, 4 + (i // 400) % 400] + [4 + (k * 17) % 500 for k in range(198)]
+
+        results: list[int] = []
+        t0 = time.monotonic()
+        until_up = lambda: replicas(APP_NAME, "PrefillWorker") == 2 or time.monotonic() - t0 > 120  # noqa: E731
+        asyncio.run(load(url, 1, long, 2, until_up, results))
+        assert replicas(APP_NAME, "PrefillWorker") == 2, "the ratio did not bring a second prefill replica"
+        up_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        _wait(lambda: replicas(APP_NAME, "PrefillWorker") == 1, 120)
+        assert all(n == 2 for n in results)
+        print(f"prefill beside decode: 2 after {up_s:.1f} s of load, 1 again {time.monotonic() - t1:.1f} s after it")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        restore_auth()

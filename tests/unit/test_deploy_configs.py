@@ -22,21 +22,32 @@ def test_gpu_config_places_pools_on_tagged_nodes():
 
 
 def test_serve_app_yaml_and_autoscaling_policies():
-    # One source of truth: the policies and their thresholds come from the ServeConfig's autoscaling blocks.
-    from ray.serve.config import AutoscalingConfig
+    # One source of truth: the policies and their thresholds come from the ServeConfig's autoscaling blocks (and
+    # its pool_ratio, which rides along for the application-level policy the Serve configs name).
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.serving.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy, serve_autoscaling_config
+    from cluster.serving.autoscaling import (
+        DecodeAutoscalingPolicy,
+        PrefillAutoscalingPolicy,
+        read_policy_kwargs,
+        serve_autoscaling_config,
+    )
 
     for name in ("serve-app.yaml", "serve-app-local.yaml"):
-        ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / name).read_text()))
+        (app,) = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / name).read_text())).applications
+        # What Serve's controller does with it: import it, pickle it by value, instantiate it once.
+        policy = AutoscalingPolicy(**app.autoscaling_policy).get_policy()
+        assert policy.__name__ == "ApplicationAutoscalingPolicy" and callable(policy())
     cfg = load_serve_config(DEPLOY / "shapeserve.yaml")
+    assert cfg.pool_ratio is not None
     for pool, policy_class in (("prefill", PrefillAutoscalingPolicy), ("decode", DecodeAutoscalingPolicy)):
         thresholds = getattr(cfg, pool).autoscaling
-        serve_config = AutoscalingConfig(**serve_autoscaling_config(pool, thresholds))
+        serve_config = AutoscalingConfig(**serve_autoscaling_config(pool, thresholds, cfg.pool_ratio))
         assert serve_config.policy.get_policy() is policy_class
-        assert serve_config.policy.policy_kwargs == thresholds.model_dump()
+        assert read_policy_kwargs(serve_config.policy.policy_kwargs) == (thresholds, cfg.pool_ratio)
         assert serve_config.max_replicas == thresholds.max_replicas
+        assert serve_config.look_back_period_s == cfg.pool_ratio.mix_window_s  # Serve keeps the mix window
     assert sorted(p.name for p in DEPLOY.glob("*.yaml")) == [
         "cluster-gpu.yaml",
         "serve-app-local.yaml",
@@ -65,11 +76,12 @@ def test_pool_options_follow_the_placement():
         "num_cpus": 4,
         "num_gpus": 1,
         "resources": {"decode": 1},
-        # an autoscaled pool's replicas push their load every second, not Serve's 10 s
+        # an autoscaled pool's replicas push their load every second, not Serve's 10 s (a sample a second over the
+        # 30 s mix window of pool_ratio)
         "runtime_env": {
             "env_vars": {
                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1.0",
-                "RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR": str(1 / 15),
+                "RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR": str(1 / 30),
             }
         },
     }

@@ -121,12 +121,13 @@ def test_remote_prefill_matches_offline(demo_model, expected, transport):
             # same prompt again: the decode side's prefix-cache hits are not transferred again
             _, ids2 = await run_to_end(decode, task("r2"))
             await assert_idle(prefill, decode)
-            return started, ids, ids2, decode.stats(), prefill.stats(), first_bytes
+            scaling = decode.autoscaling_stats(), prefill.autoscaling_stats()
+            return started, ids, ids2, decode.stats(), prefill.stats(), first_bytes, scaling
         finally:
             decode.shutdown()
             prefill.shutdown()
 
-    started, ids, ids2, dstats, pstats, first_bytes = run(main())
+    started, ids, ids2, dstats, pstats, first_bytes, (dscaling, pscaling) = run(main())
     assert started.route is Route.REMOTE
     assert ids == expected and ids2 == expected
     assert dstats.transfers.transfers == 2 and dstats.transfers.local_fallbacks == 0
@@ -134,6 +135,10 @@ def test_remote_prefill_matches_offline(demo_model, expected, transport):
     # PROMPT is 70 tokens = 5 blocks; the second transfer skips the 4 full blocks cached on the decode side
     per_block = first_bytes // 5
     assert first_bytes == 5 * per_block and dstats.transfers.transfer_bytes - first_bytes == per_block
+    # What the autoscaler reads: the class mix (prompt tokens handed to the prefill pool) on the decode side; the
+    # prompt tokens prefilled, the engine time they took and the replica's measured start-up on the prefill side.
+    assert dscaling["remote_prompt_tokens"] == pscaling["prompt_tokens"] == 2 * len(PROMPT)
+    assert pscaling["busy_s"] > 0 and pscaling["startup_s"] > 0 and pscaling["queued_prefill_tokens"] == 0
 
 
 def test_failed_prefill_is_retried(demo_model, expected):
@@ -212,10 +217,11 @@ def test_local_route_does_not_touch_prefill(demo_model, expected):
         prefill, decode, handle = await make_pair(demo_model, "grpc")
         try:
             started, ids = await run_to_end(decode, task(route=Route.LOCAL))
-            return started, ids, handle.calls
+            return started, ids, handle.calls, decode.autoscaling_stats()
         finally:
             decode.shutdown()
             prefill.shutdown()
 
-    started, ids, calls = run(main())
+    started, ids, calls, scaling = run(main())
     assert started.route is Route.LOCAL and ids == expected and calls == 0
+    assert scaling["remote_prompt_tokens"] == 0  # a LOCAL prompt is the decode pool's work

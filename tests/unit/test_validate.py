@@ -61,6 +61,13 @@ def mutate(data: dict, dotted: str, value) -> dict:
         ("shapeserve.decode.max_num_sequences", 8, "shapeserve.decode.max_num_sequences", "Extra inputs"),
         ("shapeserve.decode.max_num_seqs", "many", "shapeserve.decode.max_num_seqs", "valid integer"),
         ("shapeserve.prefill.autoscaling.min_replicas", 9, "shapeserve.prefill.autoscaling.min_replicas", "above"),
+        (
+            "shapeserve.prefill.autoscaling.min_replica_startup_s",
+            500,
+            "shapeserve.prefill.autoscaling.min_replica_startup_s",
+            "above max_replica_startup_s",
+        ),
+        ("shapeserve.pool_ratio.min_prefill_per_decode", 3, "shapeserve.pool_ratio.min_prefill_per_decode", "above"),
         ("shapeserve.block_size", 12, "shapeserve.block_size", "power of two"),
         ("shapeserve.transport", "carrier-pigeon", "shapeserve.transport", "'auto'"),
     ],
@@ -129,6 +136,27 @@ def test_serve_app_args_and_owned_deployment_options(capsys, tmp_path, monkeypat
     path = write(tmp_path, "a.yaml", mutate(app, "applications.0.route_prefix", 5))
     code, out = validate(capsys, path)
     assert code == 1 and f"{path}: applications.0.route_prefix: " in out
+
+
+def test_the_application_level_policy_is_ours_and_there_where_the_config_keeps_a_ratio(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    other = "my.module:policy"
+    app = mutate(shipped("serve-app-local.yaml"), "applications.0.autoscaling_policy", {"policy_function": other})
+    path = write(tmp_path, "a.yaml", app)
+    code, out = validate(capsys, path)
+    assert code == 1 and f"{path}: applications.0.autoscaling_policy.policy_function: an application-level" in out
+    # The GPU app without it: its ServeConfig (read through the cluster file's mounts) keeps a pool_ratio that
+    # only the application-level policy applies.
+    app = shipped("serve-app.yaml")
+    del app["applications"][0]["autoscaling_policy"]
+    path = write(tmp_path, "a.yaml", app)
+    code, out = validate(capsys, "deploy/cluster-gpu.yaml", path)
+    assert code == 1
+    assert f"{path}: applications.0.autoscaling_policy: the ServeConfig's pool_ratio is applied only by" in out
+    # A ratio needs both pools autoscaled.
+    config = mutate(shipped("shapeserve.yaml"), "shapeserve.prefill.autoscaling", None)
+    code, out = validate(capsys, write(tmp_path, "c.yaml", config))
+    assert code == 1 and "shapeserve.pool_ratio: needs both pools autoscaled" in out
 
 
 def test_unreadable_and_missing_files(capsys, tmp_path):
