@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from cluster.engine.host_memory import ARENA_ENV
 from cluster.serving.autoscaling import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, replica_env, serve_autoscaling_config
@@ -174,6 +174,17 @@ def cluster_resources() -> tuple[float, float]:
     return float(os.cpu_count() or 1), float(torch.cuda.device_count())
 
 
+#: Requests Serve's proxy holds for the decode pool while none of its replicas can take one.
+DECODE_MAX_QUEUED_REQUESTS = 16
+
+
+def queued_limit(name: str, pool: PoolConfig) -> int:
+    """Serve's ``max_queued_requests`` for a pool (-1: unbounded)."""
+    if pool.max_queued_requests is not None:
+        return pool.max_queued_requests
+    return DECODE_MAX_QUEUED_REQUESTS if name == DECODE_DEPLOYMENT else -1
+
+
 def _pool_options(
     name: str, pool: PoolConfig, placed: PoolPlacement, config: ServeConfig, router_cls: type
 ) -> dict[str, Any]:
@@ -193,6 +204,10 @@ def _pool_options(
         "name": name,
         "ray_actor_options": actor,
         "max_ongoing_requests": pool.max_ongoing_requests,
+        # While no replica can take a request (a crash, a restart), Serve's proxy holds a few and answers the rest
+        # 503 + Retry-After at once, instead of holding every request until a replica is back.
+        "max_queued_requests": queued_limit(name, pool),
+        "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=pool.unavailable_retry_after_s),
         "request_router_config": RequestRouterConfig(
             request_router_class=router_cls,  # type: ignore[arg-type]  # Serve accepts the class or its import path
             request_router_kwargs={"block_size": config.block_size},

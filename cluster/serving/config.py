@@ -84,6 +84,13 @@ class PoolConfig(_Frozen):
     num_gpus: float | None = Field(None, ge=0)
     #: Requests a replica accepts at once (Serve's ``max_ongoing_requests``).
     max_ongoing_requests: int = Field(256, ge=1)
+    #: Requests Serve's proxy holds for the pool while no replica can take one (all dead, restarting or full):
+    #: beyond this many a request is answered 503 with Retry-After at once instead of waiting for a replica
+    #: (Serve's ``max_queued_requests``). None: 16 for the decode pool, the one HTTP reaches; unbounded for the
+    #: prefill pool, whose caller (a decode replica) has its own deadline and falls back to a local prefill.
+    max_queued_requests: int | None = Field(None, ge=1)
+    #: The Retry-After of those 503s: about how long a replica takes to come back.
+    unavailable_retry_after_s: float = Field(10.0, ge=0)
     num_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, ge=1)

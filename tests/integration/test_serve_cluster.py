@@ -42,11 +42,36 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(demo_model):
+def ray_cluster():
+    """Three nodes on this machine: a head (Serve's controller and proxy, the pool board), one node that only
+    prefill replicas fit on, one that only decode replicas fit on."""
     restore_auth = disable_ray_token_auth()
     import ray
-    from ray import serve
     from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        # Ray's metrics pipeline carries /metrics's request families: a report a second, not Ray's 10 s.
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "_system_config": {"metrics_report_interval_ms": 1000},
+        },
+    )
+    cluster.add_node(num_cpus=1, resources={"prefill": 1})
+    cluster.add_node(num_cpus=1, resources={"decode": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        restore_auth()
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, ray_cluster):
+    from ray import serve
 
     from cluster.app import APP_NAME, build_app
     from cluster.serving.config import parse_serve_config
@@ -69,29 +94,16 @@ def server(demo_model):
             "timeouts": {"prefill_timeout_s": 5.0, "max_prefill_attempts": 2, "request_timeout_s": 120.0},
         }
     )
-    cluster = Cluster(
-        initialize_head=True,
-        # Ray's metrics pipeline carries /metrics's request families: a report a second, not Ray's 10 s.
-        head_node_args={
-            "num_cpus": 2,
-            "include_dashboard": False,
-            "_system_config": {"metrics_report_interval_ms": 1000},
-        },
-    )
-    cluster.add_node(num_cpus=1, resources={"prefill": 1})
-    cluster.add_node(num_cpus=1, resources={"decode": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy, on the head: the nodes share this machine, so proxies on every node would share the port
+        # (SO_REUSEPORT), and losing a node would drop the connections its proxy held, which is not what is tested.
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         serve.run(build_app(config, str(demo_model)), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "pools healthy")
         yield url
     finally:
         serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        restore_auth()
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +384,90 @@ def test_killed_prefill_replica_every_request_completes(server, offline):
     decode = p["decode"][0]
     assert decode["transfer_failures"] >= 1  # prefills in flight on the killed replica failed...
     assert decode["local_fallbacks"] + decode["prefill_retries"] >= 1  # ...and were retried or prefilled locally
+
+
+def post_all(url: str, prompts: list, max_tokens: int, fault, after_s: float) -> list[httpx.Response]:
+    """The prompts sent at once, ``fault()`` called ``after_s`` later while they are in flight; their answers."""
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "demo", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            tasks = [
+                asyncio.create_task(
+                    c.post(f"{url}/v1/completions", json={**body, "prompt": p, "return_token_ids": True})
+                )
+                for p in prompts
+            ]
+            await asyncio.sleep(after_s)
+            await asyncio.to_thread(fault)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(main())
+
+
+def test_prefill_replica_stopped_mid_request_costs_latency_only(server, offline):
+    """SIGSTOP freezes the prefill replica (a hung process: nothing crashes, so Ray reports nothing) while REMOTE
+    prompts are in its engine or in the push of their KV: the decode side's deadline passes, each request is
+    prefilled locally and completes exactly. Once the replica runs again its leases have ended, it releases what
+    it held, and no block is in use on either pool."""
+    prompts = [long_prompt(300 + i, 900) for i in range(3)]
+    expected = offline(prompts, 20)
+    prefill_pid = pools(server)["prefill"][0]["pid"]
+    before = pools(server)["decode"][0]
+    t0 = time.monotonic()
+    try:
+        responses = post_all(server, prompts, 20, lambda: os.kill(prefill_pid, signal.SIGSTOP), 0.05)
+    finally:
+        os.kill(prefill_pid, signal.SIGCONT)
+    took = time.monotonic() - t0
+    for resp, want in zip(responses, expected, strict=True):
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == want
+    assert took < 60  # two 5 s deadlines and a local prefill, not a hang
+    _wait(lambda: httpx.get(f"{server}/health").status_code == 200, 60, "prefill pool healthy again")
+    p = assert_no_blocks_in_use(server, timeout_s=30)
+    decode = p["decode"][0]
+    assert decode["transfer_failures"] > before["transfer_failures"]
+    assert decode["local_fallbacks"] > before["local_fallbacks"]
+    print(f"prefill replica stopped mid-request: 3 requests complete in {took:.1f} s")
+
+
+def test_lost_prefill_node_requests_complete_and_a_new_node_takes_the_pool(server, offline, ray_cluster):
+    """The whole prefill node goes (its raylet and every process on it killed): REMOTE requests in flight there
+    complete through a local prefill; when a node that can host the pool joins, Serve starts the prefill replica
+    there and REMOTE requests go to it again, within a bound."""
+    node = next(n for n in ray_cluster.list_all_nodes() if "prefill" in (n._ray_params.resources or {}))
+    prompts = [long_prompt(400 + i, 900) for i in range(3)]
+    expected = offline(prompts, 20)
+    before = pools(server)["decode"][0]
+    t0 = time.monotonic()
+    # The node goes as the requests arrive (removing it takes a few hundred ms: its processes are killed one by one).
+    responses = post_all(server, prompts, 20, lambda: ray_cluster.remove_node(node, allow_graceful=False), 0.0)
+    for resp, want in zip(responses, expected, strict=True):
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == want
+    in_flight_s = time.monotonic() - t0
+    # (The counters come with the decode replica's next report.)
+    _wait(lambda: pools(server)["decode"][0]["local_fallbacks"] > before["local_fallbacks"], 10, "local prefills")
+
+    t1 = time.monotonic()
+    ray_cluster.add_node(num_cpus=1, resources={"prefill": 1})
+    _wait(lambda: httpx.get(f"{server}/health").status_code == 200, 120, "a prefill replica on the new node")
+    want = offline([long_prompt(410)], 8)[0]
+
+    def served_remote():
+        resp = complete(server, long_prompt(410), 8)
+        return resp.status_code == 200 and resp.headers["x-shapeserve-route"] == "remote" and resp
+
+    resp = _wait(served_remote, 60, "a REMOTE request served by the new prefill replica")
+    assert resp.json()["choices"][0]["token_ids"] == want
+    back_s = time.monotonic() - t1
+    assert back_s < 150
+    assert_no_blocks_in_use(server, timeout_s=30)
+    print(
+        f"prefill node lost: in-flight requests done in {in_flight_s:.1f} s; "
+        f"REMOTE again {back_s:.1f} s after a node joined"
+    )
 
 
 def test_hostile_numbers_are_400s_and_the_engine_keeps_streaming(server, offline):

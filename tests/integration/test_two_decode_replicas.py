@@ -1,9 +1,11 @@
-"""One scrape is the whole cluster's truth: ``shapeserve serve`` with two decode replicas (each an HTTP edge with
-its own requests, behind Serve's proxy), real traffic spread over both, ``/metrics`` scraped again and again.
+"""``shapeserve serve`` with two decode replicas, each an HTTP edge with its own requests, behind Serve's proxy.
 
-Every series a vLLM dashboard charts is there with ``model_name``; no counter ever decreases between scrapes,
+One scrape is the whole cluster's truth: with real traffic spread over both replicas and ``/metrics`` scraped
+again and again, every series a vLLM dashboard charts is there with ``model_name``; no counter ever decreases,
 whichever replica answers; the TTFT histogram counts exactly the requests served, all replicas together; a
-replica killed and replaced by Serve takes no count with it, and requests sent right after the kill are served.
+replica killed and replaced by Serve takes no count with it, and requests sent right after the kill are served
+by the other one. With both replicas dead, the proxy holds a few requests for their return and answers the rest
+503 + Retry-After at once.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ decode:
 
 @pytest.fixture(scope="module")
 def server(demo_model, tmp_path_factory):
-    with live_server(demo_model, tmp_path_factory.mktemp("cluster-metrics"), CONFIG) as proc:
+    with live_server(demo_model, tmp_path_factory.mktemp("two-decode"), CONFIG) as proc:
         yield proc
 
 
@@ -126,3 +128,34 @@ def test_every_scrape_is_the_clusters_and_counts_only_grow(server):
     assert_never_decreased(settled, final, replica_left=True)
     assert served(final) == (28, 28, 28)
     print(f"4 requests served {served_after_kill_s:.1f} s after a decode replica was killed")
+
+
+def test_with_no_replica_left_the_excess_is_503_with_retry_after_at_once(server):
+    """Both decode replicas die: Serve's proxy holds up to 16 requests (``DECODE_MAX_QUEUED_REQUESTS``) until a
+    replica is back, and answers the others 503 with Retry-After at once; the held ones are then served."""
+    from cluster.app import DECODE_MAX_QUEUED_REQUESTS
+
+    url = server.url
+    wait_for(lambda: len(decode_replicas(url)) == 2, 120, "two decode replicas")
+    for replica in decode_replicas(url):
+        os.kill(replica["pid"], signal.SIGKILL)
+
+    def timed(i: int) -> tuple[int, float, str | None]:
+        t0 = time.monotonic()
+        resp = complete(url, 200 + i)
+        return resp.status_code, time.monotonic() - t0, resp.headers.get("retry-after")
+
+    sent = DECODE_MAX_QUEUED_REQUESTS + 12
+    with ThreadPoolExecutor(sent) as pool:
+        answers = list(pool.map(timed, range(sent)))
+    refused = [a for a in answers if a[0] == 503]
+    served_ok = [a for a in answers if a[0] == 200]
+    assert len(refused) + len(served_ok) == sent, answers  # nothing else: no 500, no hang
+    assert refused and all(retry == "10" for _, _, retry in refused), refused
+    # "At once": a 503 does not wait for a replica to come back (the held requests do). What it waits for is the
+    # proxy learning that the replicas died: ~1 s on a quiet machine, ~5 s on a loaded 2-core one.
+    slowest_refusal = max(seconds for _, seconds, _ in refused)
+    assert slowest_refusal < 10 and (not served_ok or slowest_refusal < min(s for _, s, _ in served_ok)), answers
+    assert served_ok, answers  # the held requests were served once a replica was back
+    wait_for(lambda: complete(url, 999).status_code == 200, 120, "the decode pool back")
+    print(f"{len(refused)} answered 503 in <= {slowest_refusal:.2f} s, {len(served_ok)} held and served")
