@@ -109,7 +109,7 @@ class ClusterMetricsReader:
         specs: Sequence[MetricSpec],
         endpoints: Callable[[], Iterable[str]] = alive_node_endpoints,
         fetch: Callable[[str], str] | None = None,
-        timeout_s: float = 2.0,
+        timeout_s: float = 5.0,
     ):
         self.specs = {s.name: s for s in specs}
         self.endpoints = endpoints
