@@ -99,7 +99,12 @@ class TokenPace:
     """Recent seconds per output token across this edge's streams: an exponential average with a time
     constant of ``tau_s``, forgotten ``stale_s`` after the last observation (nothing streaming: no pace)."""
 
-    def __init__(self, tau_s: float = 1.0, stale_s: float = 2.0):
+    #: The time constant is about the life of a stream (128 tokens at 40 ms): the TPOT target is a mean over a
+    #: request's tokens, so one long prefill step that stalls every stream for half a second (a new long prompt
+    #: joining the batch) must not read as streams running slow. With 1 s it did: at 2 req/s on skewed-64,
+    #: whose mean TPOT was 36 ms, the pace read 211-290 ms after such steps and 14 of 64 requests got 429s
+    #: (``bench/compare_vllm.sh``, 2026-11-24).
+    def __init__(self, tau_s: float = 5.0, stale_s: float = 10.0):
         self.tau_s = tau_s
         self.stale_s = stale_s
         self._value: float | None = None

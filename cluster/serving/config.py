@@ -86,7 +86,7 @@ class PoolConfig(_Frozen):
     max_ongoing_requests: int = Field(256, ge=1)
     #: Requests Serve's proxy holds for the pool while no replica can take one (all dead, restarting or full):
     #: beyond this many a request is answered 503 with Retry-After at once instead of waiting for a replica
-    #: (Serve's ``max_queued_requests``). None: 16 for the decode pool, the one HTTP reaches; unbounded for the
+    #: (Serve's ``max_queued_requests``). None: 64 for the decode pool, the one HTTP reaches; unbounded for the
     #: prefill pool, whose caller (a decode replica) has its own deadline and falls back to a local prefill.
     max_queued_requests: int | None = Field(None, ge=1)
     #: The Retry-After of those 503s: about how long a replica takes to come back.

@@ -120,6 +120,23 @@ def test_the_decode_replica_serves_the_port_itself(server):
     assert owners and all("DecodeWorker" in name for name in owners), owners
 
 
+def test_a_burst_is_served_not_dropped_by_serve(server, demo_model):
+    """A load test's burst (skewed-64's 64 requests at once, streamed, prompts cut to the demo model): each one
+    is served or, if admission says so, a 429; Serve never drops one. A queue limit on the replica that serves
+    the port (Serve's ``max_queued_requests``) answered 42 of such a burst "503 Request dropped due to
+    backpressure" on the bench model."""
+    import asyncio
+
+    from cluster.tools.loadgen import run_load
+    from cluster.tools.workloads import WorkloadRequest, load_workload
+
+    _, shapes = load_workload("skewed-64", 512, float("inf"), 64, seed=1001)
+    burst = [WorkloadRequest(r.index, r.class_name, 0.0, r.prompt_token_ids[:400], 32) for r in shapes]
+    records, _ = asyncio.run(run_load(f"{server.url}/v1", "demo", burst, 120, False))
+    statuses = sorted(r.status for r in records)
+    assert set(statuses) <= {200, 429} and statuses.count(200) > 0, statuses
+
+
 def test_greedy_http_equals_run_batch_local_and_remote_stream_and_not(server, run_batch_tokens):
     for i, (prompt, want) in enumerate(zip(SHORT + LONG, run_batch_tokens, strict=True)):
         expected_route = "local" if len(prompt) <= 32 else "remote"

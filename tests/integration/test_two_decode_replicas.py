@@ -30,6 +30,7 @@ decode:
   num_replicas: 2
   num_blocks: 128
   num_threads: 1
+  max_queued_requests: 16  # (the default is 64: fewer requests to send for the test of none left)
 """
 
 
@@ -131,10 +132,8 @@ def test_every_scrape_is_the_clusters_and_counts_only_grow(server):
 
 
 def test_with_no_replica_left_the_excess_is_503_with_retry_after_at_once(server):
-    """Both decode replicas die: Serve's proxy holds up to 16 requests (``DECODE_MAX_QUEUED_REQUESTS``) until a
+    """Both decode replicas die: Serve's proxy holds up to ``decode.max_queued_requests`` (16 here) until a
     replica is back, and answers the others 503 with Retry-After at once; the held ones are then served."""
-    from cluster.app import DECODE_MAX_QUEUED_REQUESTS
-
     url = server.url
     wait_for(lambda: len(decode_replicas(url)) == 2, 120, "two decode replicas")
     for replica in decode_replicas(url):
@@ -145,7 +144,7 @@ def test_with_no_replica_left_the_excess_is_503_with_retry_after_at_once(server)
         resp = complete(url, 200 + i)
         return resp.status_code, time.monotonic() - t0, resp.headers.get("retry-after")
 
-    sent = DECODE_MAX_QUEUED_REQUESTS + 12
+    sent = 16 + 12
     with ThreadPoolExecutor(sent) as pool:
         answers = list(pool.map(timed, range(sent)))
     refused = [a for a in answers if a[0] == 503]

@@ -114,12 +114,30 @@ def test_token_pace_follows_recent_gaps_and_forgets_a_quiet_edge():
     assert ac.snapshot().seconds_per_token is None
     ac.tokens_streamed(0.1)
     assert ac.snapshot().seconds_per_token == pytest.approx(0.1) and ac.snapshot().tpot_target_s == 0.2
-    for _ in range(20):  # the streams slow to 0.4 s per token: the average follows within a few seconds
+    for _ in range(20):  # the streams slow to 0.4 s per token: past the target within a few seconds
+        clock.t += 0.25
+        ac.tokens_streamed(0.4)
+    assert ac.snapshot().seconds_per_token > 0.2
+    for _ in range(80):  # ... and the average reaches the new pace
         clock.t += 0.25
         ac.tokens_streamed(0.4)
     assert ac.snapshot().seconds_per_token == pytest.approx(0.4, rel=0.01)
-    clock.t += 3.0  # nothing streamed for longer than the pace is kept
+    clock.t += 11.0  # nothing streamed for longer than the pace is kept
     assert ac.snapshot().seconds_per_token is None
+
+
+def test_one_long_prefill_step_does_not_read_as_slow_streams():
+    """A long prompt joining the batch stalls every stream for one step; their mean time per token stays far
+    under the target, and so must the pace admission compares with it."""
+    clock = FakeClock()
+    ac = AdmissionController(AdmissionConfig(), clock=clock, tpot_target_s=0.2)
+    worst = 0.0
+    for step in range(400):  # 16 streams at 40 ms per token, a 600 ms prefill step every 2 s (1 req/s x 2)
+        clock.t += 0.6 if step % 50 == 25 else 0.04
+        for _ in range(16):
+            ac.tokens_streamed(0.6 if step % 50 == 25 else 0.04)
+        worst = max(worst, ac.snapshot().seconds_per_token)
+    assert worst < 0.2, worst
 
 
 def test_retry_appointments_are_spaced_held_kept_and_lapse():
