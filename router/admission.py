@@ -96,30 +96,40 @@ class PrefillMeter:
 
 
 class TokenPace:
-    """Recent seconds per output token across this edge's streams: an exponential average with a time
-    constant of ``tau_s``, forgotten ``stale_s`` after the last observation (nothing streaming: no pace)."""
+    """Recent seconds per output token across this edge's streams, as TPOT counts them: the streams' gaps summed
+    over the tokens they brought (each sum decayed with a time constant of ``tau_s``), forgotten ``stale_s`` after
+    the last observation (nothing streaming: no pace).
 
-    #: The time constant is about the life of a stream (128 tokens at 40 ms): the TPOT target is a mean over a
-    #: request's tokens, so one long prefill step that stalls every stream for half a second (a new long prompt
-    #: joining the batch) must not read as streams running slow. With 1 s it did: at 2 req/s on skewed-64,
-    #: whose mean TPOT was 36 ms, the pace read 211-290 ms after such steps and 14 of 64 requests got 429s
-    #: (``bench/compare_vllm.sh``, 2026-11-24).
+    Weighted by tokens, not by time: one long prefill step that stalls every stream for half a second (a long
+    prompt joining the batch) adds half a second to each stream's next token, as it does to their TPOT, instead of
+    standing for the pace for half a second. An average of per-event gaps weighted by time read 205-290 ms
+    per token after such steps while the requests' mean TPOT was 36-48 ms, and refused 8-14 of skewed-64's 64
+    requests at 2 req/s (``bench/compare_vllm.sh``, 2026-11-24). The time constant is about a stream's life
+    (128 tokens at 40 ms)."""
+
     def __init__(self, tau_s: float = 5.0, stale_s: float = 10.0):
         self.tau_s = tau_s
         self.stale_s = stale_s
-        self._value: float | None = None
-        self._at = 0.0
+        self._gap_s = 0.0
+        self._tokens = 0.0
+        self._at: float | None = None
 
-    def observe(self, seconds_per_token: float, now: float) -> None:
-        if self._value is None or now - self._at > self.stale_s:
-            self._value = seconds_per_token
+    def observe(self, gap_s: float, tokens: int, now: float) -> None:
+        """A stream got ``tokens`` more tokens ``gap_s`` after its previous ones."""
+        if self._at is None or now - self._at > self.stale_s:
+            self._gap_s = self._tokens = 0.0
         else:
-            weight = 1.0 - math.exp(-max(now - self._at, 0.0) / self.tau_s)
-            self._value += weight * (seconds_per_token - self._value)
+            keep = math.exp(-max(now - self._at, 0.0) / self.tau_s)
+            self._gap_s *= keep
+            self._tokens *= keep
+        self._gap_s += gap_s
+        self._tokens += tokens
         self._at = now
 
     def seconds_per_token(self, now: float) -> float | None:
-        return self._value if self._value is not None and now - self._at <= self.stale_s else None
+        if self._at is None or now - self._at > self.stale_s or self._tokens <= 0:
+            return None
+        return self._gap_s / self._tokens
 
 
 class RetryAppointments:
@@ -220,9 +230,9 @@ class AdmissionController:
             self.pace.seconds_per_token(now),
         )
 
-    def tokens_streamed(self, seconds_per_token: float) -> None:
-        """A stream got its next tokens ``seconds_per_token`` apart (the gap since its last, over their count)."""
-        self.pace.observe(seconds_per_token, self.clock())
+    def tokens_streamed(self, gap_s: float, tokens: int = 1) -> None:
+        """A stream got ``tokens`` more tokens ``gap_s`` after its previous ones."""
+        self.pace.observe(gap_s, tokens, self.clock())
 
     def admit(self, route: Route, cost_tokens: int, prefill_tokens: int = 0) -> Ticket:
         s = self._classes[route]

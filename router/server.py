@@ -553,7 +553,7 @@ class RequestRun:
                 if self.timing.first_token is None:  # its prefill is done: it leaves its class's prefill queue
                     self.s.admission.first_token(self.ticket)
                 elif self.timing.last_token is not None and n:
-                    self.s.admission.tokens_streamed((now - self.timing.last_token) / n)
+                    self.s.admission.tokens_streamed(now - self.timing.last_token, n)
                 self.s.metrics.observe_token(self.timing, now, n)
                 self.num_output = last.num_output_tokens
                 self.num_cached = last.num_cached_tokens
