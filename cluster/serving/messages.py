@@ -212,8 +212,15 @@ class PrefillRoutingStats:
         return cls(**{k: v for k, v in (d or {}).items() if k in known})
 
 
+class _AutoscalingSample:
+    """A replica's sample for Serve's ``record_autoscaling_stats``: every field a float, by name."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class PrefillAutoscalingStats:
+class PrefillAutoscalingStats(_AutoscalingSample):
     """A prefill replica's sample for the autoscaling policies (``cluster.serving.autoscaling``)."""
 
     queued_prefill_tokens: float = 0.0
@@ -224,18 +231,12 @@ class PrefillAutoscalingStats:
     #: Seconds from the replica's process start to the end of its start-up (measured once; 0: not measured).
     startup_s: float = 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
-
 
 @dataclass(frozen=True)
-class DecodeAutoscalingStats:
+class DecodeAutoscalingStats(_AutoscalingSample):
     """A decode replica's sample for the autoscaling policies (``cluster.serving.autoscaling``)."""
 
     kv_usage: float = 0.0
     running_seqs: float = 0.0
     #: Counter since the replica started: prompt tokens of the REMOTE requests it handed to the prefill pool.
     remote_prompt_tokens: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {f.name: float(getattr(self, f.name)) for f in fields(self)}

@@ -204,7 +204,6 @@ class RouterMetrics:
         self.slo = slo
         self.model_name = model_name
         self.stats_source = stats_source
-        self.scope = scope
         family: dict[str, Any]  # each with prometheus_client's ``labels(*values).observe / .inc``
         if scope == "cluster":
             self.reader: ClusterMetricsReader | None = cluster_reader or ClusterMetricsReader(REQUEST_FAMILIES)
