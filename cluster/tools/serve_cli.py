@@ -24,8 +24,7 @@ from cluster.tool_calls import TOOL_CALL_PARSERS
 #: The local Ray's metrics endpoint, where ``ray start --metrics-export-port`` puts it on a cluster's nodes.
 RAY_METRICS_PORT = 8080
 #: How often Ray's workers push their metrics to the node's agent: how far /metrics may lag behind the requests
-#: (Ray's default is 10 s; every 2 s cost about 1% of a core more in Ray's idle processes on a 2-core node, 5 s
-#: less).
+#: (Ray's default is 10 s; each report is work in every Ray worker, so a shorter interval costs more CPU).
 RAY_METRICS_REPORT_INTERVAL_MS = 5000
 
 
