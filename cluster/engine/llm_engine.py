@@ -19,6 +19,7 @@ from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse
 from cluster.engine.kv_cache import allocate_kv_cache
+from cluster.engine.layer_ops import choose_layer_ops
 from cluster.engine.linear import choose_matmul, pack_weights, use_matmul
 from cluster.engine.model_runner import ModelRunner, RunnerOutput, SampledToken
 from cluster.engine.request import Request, RequestStatus
@@ -85,6 +86,7 @@ class LLMEngine:
         if self.matmul.pack is not None:
             pack_weights(self.model, self.matmul.pack)
         use_matmul(self.model, self.matmul.fn)
+        self.model.layer_ops = choose_layer_ops(dtype, config.device)
         if torch.device(config.device).type == "cpu":
             advise_dtype(dtype, self.matmul.fn)
         self.tokenizer = load_tokenizer(config.model)

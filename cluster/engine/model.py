@@ -16,20 +16,20 @@ from torch import nn
 
 from cluster.config import ModelConfig
 from cluster.engine.attention.base import AttentionBackend, AttentionMetadata
+from cluster.engine.layer_ops import TORCH_LAYER_OPS, LayerOps, rms_norm_ref
 from cluster.engine.linear import Linear
 
 
 class RMSNorm(nn.Module):
+    """Holds the norm's weight (checkpoint names); the layers run it through their ``LayerOps``."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 like the reference implementation, then cast back.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -65,16 +65,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate_qk_(self, ops: LayerOps, qkv: torch.Tensor, positions: torch.Tensor, rotated_heads: int) -> None:
+        """Rotates the q and k heads at the start of each row of ``qkv`` in place, by the angles of ``positions``."""
+        ops.rotary_qk_(qkv, positions, rotated_heads, self.cos.shape[-1], self.cos, self.sin)
 
 
 class DecoderLayer(nn.Module):
@@ -91,28 +84,35 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, hidden, positions, rotary, kv_cache_layer, meta, backend: AttentionBackend):
-        # hidden: [T, hidden]; kv_cache_layer: [2, num_blocks, block_size, kv_heads, head_dim]
-        residual = hidden
-        x = self.input_layernorm(hidden)
+    def forward(self, hidden, residual, positions, rotary, kv_cache_layer, meta, backend: AttentionBackend, ops):
+        """hidden: [T, hidden], the last layer's output before its residual add; residual: the sum so far (None
+        before the first layer). Returns the same pair for the next layer: the adds are fused into the norms.
+        kv_cache_layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            x, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(x)
+        rotary.rotate_qk_(ops, qkv, positions, self.num_heads + self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        hidden = residual + self.o_proj(attn.reshape(-1, self.q_size))
 
-        residual = hidden
-        x = self.post_attention_layernorm(hidden)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(self.o_proj(attn.reshape(-1, self.q_size)), residual, norm.weight, norm.eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up), residual
 
 
 class LlamaForCausalLM(nn.Module):
+    #: The element-wise ops' code (``layer_ops.choose_layer_ops``); the engine sets the one for its dtype and device.
+    layer_ops: LayerOps = TORCH_LAYER_OPS
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -138,10 +138,13 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]. Writes this step's K/V into kv_cache."""
-        hidden = self.embed_tokens(input_ids)
+        ops = self.layer_ops
+        hidden, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rotary, kv_cache[i], meta, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache[i], meta, backend, ops)
+        if residual is None:  # a model without layers
+            return ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

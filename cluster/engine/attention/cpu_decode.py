@@ -14,16 +14,11 @@ Torch reference: ``cluster.engine.attention.paged_decode_attention_ref``.
 
 from __future__ import annotations
 
-import threading
-
 import numba
 import numpy as np
 import torch
 
-#: numba's fallback threading layer (workqueue, used where no OpenMP or TBB runtime is found)
-#: aborts the process when two threads launch parallel kernels at once; engines in one process
-#: (tests, a pool replica's helper threads) take turns instead.
-_LAUNCH_LOCK = threading.Lock()
+from cluster.engine.numba_launch import parallel_launch
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -106,9 +101,7 @@ def paged_decode_attention_cpu(
         )
     q = (query * scale).view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     out = torch.empty_like(q)
-    with _LAUNCH_LOCK:
-        # numba keeps its own thread pool; match torch's so both use the cores the engine was given.
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    with parallel_launch():
         _decode_kernel(
             q.numpy(),
             k_cache.numpy(),
