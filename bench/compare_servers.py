@@ -31,6 +31,7 @@ import random
 import resource
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -313,6 +314,45 @@ def run_server(
     }
 
 
+#: (name, value from a ``shapeserve bench`` report, format) for each row of the table.
+METRICS = [
+    ("output tok/s", lambda r: r["output_throughput"], "{:10.1f}"),
+    ("requests/s", lambda r: r["request_throughput"], "{:10.2f}"),
+    ("mean TPOT ms", lambda r: r["tpot_s"]["mean"] and r["tpot_s"]["mean"] * 1000, "{:10.1f}"),
+    ("median TTFT ms", lambda r: r["ttft_s"]["p50"] and r["ttft_s"]["p50"] * 1000, "{:10.1f}"),
+    ("p99 ITL ms", lambda r: r["itl_s"]["p99"] and r["itl_s"]["p99"] * 1000, "{:10.1f}"),
+]
+
+
+def ratio_summary(rounds: list[dict]) -> str:
+    """shapeserve / vLLM ratios of every workload and metric: min / median / max over the rounds."""
+    lines = [
+        f"shapeserve / vLLM over {len(rounds)} rounds (orders: "
+        + "; ".join(", ".join(done["order"]) for done in rounds)
+        + ")",
+        f"{'workload':<30} {'metric':<16} {'min':>7} {'median':>7} {'max':>7}",
+    ]
+    first = rounds[0]["servers"]["vllm"]["workloads"]
+    for w, wv in enumerate(first):
+        label = f"{wv['workload']} rate={wv['rate']} seed={wv['seed']}"
+        for i, (metric, get, _) in enumerate(METRICS):
+            values = []
+            for done in rounds:
+                a = get(done["servers"]["vllm"]["workloads"][w]["report"])
+                b = get(done["servers"]["shapeserve"]["workloads"][w]["report"])
+                if a and b is not None:
+                    values.append(b / a)
+            if values:
+                cells = f"{min(values):7.2f} {statistics.median(values):7.2f} {max(values):7.2f}"
+                lines.append(f"{label if i == 0 else '':<30} {metric:<16} {cells}")
+    for key, name in (("pss_mb", "PSS MB"), ("seconds_to_health", "to /health s")):
+        values = [done["servers"]["shapeserve"][key] / done["servers"]["vllm"][key] for done in rounds]
+        lines.append(
+            f"{'server':<30} {name:<16} {min(values):7.2f} {statistics.median(values):7.2f} {max(values):7.2f}"
+        )
+    return "\n".join(lines)
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:7.2f}" if a is not None and b else "      -"
 
@@ -334,13 +374,7 @@ def table(results: dict) -> str:
     if not (v and s):
         lines.append("(only one server ran; no side-by-side table)")
         return "\n".join(lines)
-    metrics = [
-        ("output tok/s", lambda r: r["output_throughput"], "{:10.1f}"),
-        ("requests/s", lambda r: r["request_throughput"], "{:10.2f}"),
-        ("mean TPOT ms", lambda r: r["tpot_s"]["mean"] and r["tpot_s"]["mean"] * 1000, "{:10.1f}"),
-        ("median TTFT ms", lambda r: r["ttft_s"]["p50"] and r["ttft_s"]["p50"] * 1000, "{:10.1f}"),
-        ("p99 ITL ms", lambda r: r["itl_s"]["p99"] and r["itl_s"]["p99"] * 1000, "{:10.1f}"),
-    ]
+    metrics = METRICS
     lines.append(f"{'workload':<30} {'metric':<16} {'vLLM':>10} {'shapeserve':>10} {'ss/vLLM':>7}")
     for wv, ws in zip(v["workloads"], s["workloads"], strict=True):
         label = f"{wv['workload']} rate={wv['rate']} seed={wv['seed']}"
@@ -409,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default="llama-512h-8l", help="vLLM's --served-model-name")
     ap.add_argument("--plan", default=os.environ.get("BENCH_PLAN") or DEFAULT_PLAN, help=f"default {DEFAULT_PLAN}")
     ap.add_argument("--servers", default="vllm,shapeserve", help="which servers, in this order")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run both servers this many times, the order reversed every other round; prints each round's table "
+        "and the ratios' min/median/max over the rounds",
+    )
     ap.add_argument(
         "--rest-s",
         type=float,
@@ -492,22 +533,39 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"machine: {results['machine']}", file=sys.stderr)
     t0 = time.monotonic()
-    results["order"] = servers
     results["rest_s"] = args.rest_s
-    for k, name in enumerate(servers):
-        if k and args.rest_s > 0:
-            print(f"\n  resting {args.rest_s:.0f} s before {name}", file=sys.stderr, flush=True)
-            time.sleep(args.rest_s)
-        cmd, env, port = cmds[name]
-        results["servers"][name] = run_server(name, cmd, env, port, plan, args, run_dir)
-    results["greedy_parity"] = parity_verdict(results["servers"])
+    rounds = []
+    for r in range(args.rounds):
+        # Every other round reverses the order: the server measured second pays for the first one's load
+        # (see --rest-s), so only rounds in both orders say which server is faster.
+        order = servers if r % 2 == 0 else servers[::-1]
+        round_dir = run_dir if args.rounds == 1 else run_dir / f"round{r + 1}"
+        round_dir.mkdir(parents=True, exist_ok=True)
+        done: dict = {"order": order, "servers": {}}
+        for k, name in enumerate(order):
+            if (k or r) and args.rest_s > 0:
+                print(f"\n  resting {args.rest_s:.0f} s before {name}", file=sys.stderr, flush=True)
+                time.sleep(args.rest_s)
+            cmd, env, port = cmds[name]
+            print(f"  round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            done["servers"][name] = run_server(name, cmd, env, port, plan, args, round_dir)
+        done["greedy_parity"] = parity_verdict(done["servers"])
+        rounds.append(done)
+    results.update(rounds[0])  # the single-round layout, as before
+    results["rounds"] = rounds
     results["wall_s"] = time.monotonic() - t0
     out.write_text(json.dumps(results, indent=1))
-    print("\n" + table(results))
+    for r, done in enumerate(rounds):
+        if args.rounds > 1:
+            print(f"\n===== round {r + 1} of {args.rounds}")
+        print("\n" + table({**results, **done}))
+    if args.rounds > 1:
+        print("\n" + ratio_summary(rounds))
     print(
         f"\nwall time {results['wall_s']:.0f} s; raw results {out} (per-run bench JSON and server logs in {run_dir}/)"
     )
-    return 0 if results["greedy_parity"].get("identical", True) else 3
+    identical = all(done["greedy_parity"].get("identical", True) for done in rounds)
+    return 0 if identical else 3
 
 
 if __name__ == "__main__":
