@@ -1,0 +1,260 @@
+"""shapeserve's engine against vLLM's, in process, without any server: where a serving gap comes from.
+
+    .venv/bin/python -m bench.compare_engines [--vllm-python ~/.cache/shapeserve-bench/vllm-venv/bin/python]
+        [--batches 1,8,16,64] [--rate 2] [--seed 1002] [--repeats 2]
+
+``bench/compare_vllm.sh`` compares the two servers end to end; this compares their engines alone, each
+driven by a loop calling its ``step()`` (vLLM: ``LLMEngine`` in process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+the tuned environment of ../shared/notes/vllm-cpu.md), on the bench model in float32, greedy:
+
+- decode step time at each batch size (every sequence 256 tokens in), median of 20 steps;
+- skewed-64 with Poisson arrivals at ``--rate`` (the same requests ``shapeserve bench`` sends for that seed),
+  each request added when its arrival time has passed: mean TPOT, median TTFT, output tokens/s.
+
+Each engine runs in a process of its own (the vLLM one in the vLLM virtualenv that compare_vllm.sh builds),
+one after the other with ``--rest-s`` idle between, the order reversed every other repeat. Prints both
+sides and the shapeserve / vLLM ratios, min / median / max over the repeats. The server comparison's
+figures minus these are what the serving path (HTTP, streaming, the server's other processes) costs
+each server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster.tools.workloads import load_workload  # stdlib only: the vLLM virtualenv imports it too
+
+REPO = Path(__file__).resolve().parent.parent
+
+MODEL_DIR = REPO / ".bench-models/llama-512h-8l"
+VOCAB_SIZE = 32000
+CONTEXT = 256
+DECODE_STEPS = 20
+
+
+class _Driver:
+    """The few engine calls the measurements need, over either engine."""
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list[tuple[str, int]]:
+        """One engine step -> (request id, output tokens so far) for every request it produced tokens for."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    def prefilling(self) -> bool:
+        """Whether some request still has prompt tokens to compute."""
+        raise NotImplementedError
+
+
+class _ShapeserveDriver(_Driver):
+    def __init__(self) -> None:
+        import torch
+
+        from bench.engine_throughput import greedy, make_engine
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+        class Args:
+            threads = len(os.sched_getaffinity(0))
+            num_blocks = 4096
+            max_num_batched_tokens = 2048
+
+        _, warm = load_workload("skewed-64", VOCAB_SIZE, num_requests=2)
+        self.greedy = greedy
+        self.engine = make_engine(MODEL_DIR, Args, warm)
+        self.counts: dict[str, int] = {}
+
+    def add(self, request_id, prompt, max_tokens):
+        self.engine.add_request(request_id, prompt, self.greedy(max_tokens))
+
+    def step(self):
+        out = []
+        for o in self.engine.step():
+            self.counts[o.request_id] = self.counts.get(o.request_id, 0) + len(o.new_token_ids)
+            out.append((o.request_id, self.counts[o.request_id]))
+        return out
+
+    def busy(self):
+        return self.engine.has_unfinished_requests()
+
+    def prefilling(self):
+        return any(r.num_computed_tokens < r.num_prompt_tokens for r in self.engine.requests.values())
+
+
+class _VllmDriver(_Driver):
+    def __init__(self) -> None:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm = LLM(model=str(MODEL_DIR), dtype="float32", max_model_len=2048, seed=0)
+        self.engine = self.llm.llm_engine
+        self.params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        self.prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
+        self.pending_prefill: set[str] = set()
+        self.llm.generate([self.prompt(list(range(100, 140)))], self.params(4), use_tqdm=False)  # warm-up
+
+    def add(self, request_id, prompt, max_tokens):
+        self.engine.add_request(request_id, self.prompt(prompt), self.params(max_tokens))
+        self.pending_prefill.add(request_id)
+
+    def step(self):
+        out = []
+        for o in self.engine.step():
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if n:
+                self.pending_prefill.discard(o.request_id)
+            out.append((o.request_id, n))
+        return out
+
+    def busy(self):
+        return self.engine.has_unfinished_requests()
+
+    def prefilling(self):
+        return bool(self.pending_prefill)
+
+
+def decode_step_ms(driver: _Driver, batch: int, rng: random.Random, tag: str) -> float:
+    for i in range(batch):
+        driver.add(f"{tag}-{i}", [rng.randrange(100, VOCAB_SIZE) for _ in range(CONTEXT)], DECODE_STEPS + 6)
+    while driver.prefilling():
+        driver.step()
+    driver.step()
+    times = []
+    for _ in range(DECODE_STEPS):
+        start = time.perf_counter()
+        driver.step()
+        times.append(time.perf_counter() - start)
+    while driver.busy():
+        driver.step()
+    return statistics.median(times) * 1e3
+
+
+def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
+    _, requests = load_workload("skewed-64", VOCAB_SIZE, rate_per_s=rate, seed=seed)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    produced: dict[str, int] = {}
+    start = time.perf_counter()
+    i = 0
+    while i < len(requests) or driver.busy():
+        now = time.perf_counter() - start
+        while i < len(requests) and requests[i].arrival_s <= now:
+            r = requests[i]
+            driver.add(f"p{r.index}", list(r.prompt_token_ids), r.output_tokens)
+            i += 1
+        if not driver.busy():
+            time.sleep(max(0.0, requests[i].arrival_s - now))
+            continue
+        outputs = driver.step()
+        t = time.perf_counter() - start
+        for rid, n in outputs:
+            if n > 0:
+                first.setdefault(rid, t)
+                last[rid] = t
+                produced[rid] = n
+    wall = time.perf_counter() - start
+    tpot = [(last[r] - first[r]) / (produced[r] - 1) for r in first if produced[r] > 1]
+    ttft = [first[f"p{r.index}"] - r.arrival_s for r in requests]
+    return {
+        "mean_tpot_ms": statistics.mean(tpot) * 1e3,
+        "median_ttft_ms": statistics.median(ttft) * 1e3,
+        "output_tok_s": sum(produced.values()) / wall,
+    }
+
+
+def worker(side: str, batches: list[int], rate: float, seed: int) -> dict:
+    driver = _VllmDriver() if side == "vllm" else _ShapeserveDriver()
+    rng = random.Random(seed)
+    result = {f"decode step ms, batch {b}": decode_step_ms(driver, b, rng, f"d{b}") for b in batches}
+    run = poisson_run(driver, rate, seed)
+    result[f"rate={rate:g}: mean TPOT ms"] = run["mean_tpot_ms"]
+    result[f"rate={rate:g}: median TTFT ms"] = run["median_ttft_ms"]
+    result[f"rate={rate:g}: output tok/s"] = run["output_tok_s"]
+    return result
+
+
+def _vllm_env(vllm_python: str) -> dict[str, str]:
+    env = dict(os.environ)
+    cores = len(os.sched_getaffinity(0))
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if Path(p).is_file()]
+    iomp = Path(vllm_python).resolve().parent.parent / "lib/libiomp5.so"
+    if iomp.is_file():
+        preload.append(str(iomp))
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/shapeserve-bench/vllm-venv/bin/python"))
+    ap.add_argument("--batches", default="1,8,16,64")
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=1002)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--rest-s",
+        type=float,
+        default=60.0,
+        help="idle seconds before each run after the first (this VM runs slower right after vLLM's runs: the "
+        "shapeserve engine's TPOT at 2 req/s read 24.5 ms right after one and 21.6 ms after a rest)",
+    )
+    ap.add_argument("--worker", choices=["vllm", "shapeserve"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, batches, args.rate, args.seed)), flush=True)
+        return 0
+    if not (MODEL_DIR / "config.json").is_file():
+        raise SystemExit(f"no model at {MODEL_DIR}: run bench/compare_vllm.sh (or python -m bench.engine_throughput)")
+    pythons = {"shapeserve": sys.executable, "vllm": args.vllm_python}
+    envs = {"shapeserve": dict(os.environ), "vllm": _vllm_env(args.vllm_python)}
+    results: dict[str, list[dict]] = {"vllm": [], "shapeserve": []}
+    for repeat in range(args.repeats):
+        order = ["vllm", "shapeserve"] if repeat % 2 == 0 else ["shapeserve", "vllm"]
+        for side in order:
+            # As a module from the repository root: run as a script, bench/ would come first on sys.path and its
+            # kernels.py would shadow the `kernels` package vLLM imports.
+            cmd = [pythons[side], "-m", "bench.compare_engines", "--worker", side, "--batches", args.batches]
+            cmd += ["--rate", str(args.rate), "--seed", str(args.seed)]
+            proc = subprocess.run(cmd, cwd=REPO, env=envs[side], capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                sys.stderr.write(proc.stderr[-3000:])
+                raise SystemExit(f"the {side} engine run failed (exit {proc.returncode})")
+            results[side].append(json.loads(line.removeprefix("RESULT ")))
+            print(f"  repeat {repeat + 1}/{args.repeats}: {side} done", file=sys.stderr, flush=True)
+    print(f"{args.repeats} repeats, orders alternating; min / median / max; ratio of the medians")
+    print(f"{'':<30} {'vLLM':>24} {'shapeserve':>24} {'ss/vLLM':>8}")
+    for key in results["vllm"][0]:
+        cells = []
+        for side in ("vllm", "shapeserve"):
+            v = [r[key] for r in results[side]]
+            cells.append(f"{min(v):7.1f} {statistics.median(v):7.1f} {max(v):7.1f}")
+        ratio = statistics.median(r[key] for r in results["shapeserve"]) / statistics.median(
+            r[key] for r in results["vllm"]
+        )
+        print(f"{key:<30} {cells[0]:>24} {cells[1]:>24} {ratio:7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
