@@ -11,6 +11,12 @@ Prints output tokens/s of both and their ratio (min / median / max over the repe
 percentiles, the server's CPU seconds per output token by process, and the CPU it spends outside
 the model step: (server CPU - offline engine CPU for the same tokens) / output tokens. Also the
 server's time to /health and its process tree's PSS. The client runs on the same machine.
+
+The server runs with SLO admission off (``admission.admit_within_slo: false``, a config file written for the
+run) unless ``--slo-admission``: the offline engine queues every request, and once the server has measured its
+prefill rate, admission refuses the part of a 64-request burst whose predicted time to first token is past the
+2 s SLO (429 + Retry-After; ``python -m bench.overload`` measures that policy). What this bench measures is the
+serving path's cost, so both sides serve every request. The 429s are counted and printed either way.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +64,12 @@ print(json.dumps({{"seconds": time.perf_counter() - t0, "cpu_s": time.process_ti
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _no_slo_admission_config() -> str:
+    path = Path(tempfile.mkdtemp(prefix="serve_vs_offline-")) / "no-slo-admission.yaml"
+    path.write_text("shapeserve:\n  device: cpu\n  admission: {admit_within_slo: false}\n")
+    return str(path)
+
+
 def row(label: str, values: list[float], digits: int = 1) -> str:
     """A table row: ``label``, then min, median and max of ``values``."""
     cells = " ".join(f"{v:8.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
@@ -75,11 +88,15 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for shapeserve serve")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument(
+        "--slo-admission", action="store_true", help="keep the server's SLO admission (default: off, see above)"
+    )
     args = ap.parse_args(argv)
 
     model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
     rates = [float(r) for r in args.rates.split(",")]
     print(f"machine: {machine_line()}")
+    print(f"server's SLO admission: {'on' if args.slo_admission else 'off (admission.admit_within_slo: false)'}")
     spec, _ = load_workload(args.workload, BENCH_SPEC.vocab_size)
     seeds = [spec["seed"] + 1000 * i for i in range(args.repeats)]
 
@@ -93,6 +110,7 @@ def main(argv=None) -> None:
             model_dir,
             "--port",
             str(args.port),
+            *([] if args.slo_admission else ["--config", _no_slo_admission_config()]),
             *args.serve_arg,
         ],
         f"http://127.0.0.1:{args.port}",
@@ -141,6 +159,7 @@ def main(argv=None) -> None:
         print(row(f"server rate={rate}, output tok/s", tps))
         if burst:
             print(row("  ratio to offline (same seed)", [t / o for t, o in zip(tps, off_tps, strict=True)], 2))
+        print(row("  requests refused (429)", [r["report"]["rejected_429"] for r in runs], 0))
         for metric in ("ttft_s", "tpot_s", "itl_s"):
             for pct in ("mean", "p50", "p99"):
                 vals = [r["report"][metric][pct] * 1000 for r in runs]
