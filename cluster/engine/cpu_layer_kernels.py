@@ -1,13 +1,16 @@
 """Compiled float32 CPU kernels for a decoder layer's element-wise parts.
 
-Between its four matmuls, a decoder layer written with torch ops runs ~45 small ops (RMSNorm
-is seven, rotary twenty), each a pass over memory and a dispatch through torch. At decode
-batch sizes that is ~3 ms of a 12 ms step on the 2-core CI machine, and more than vLLM's
-whole per-step overhead. Each kernel here does one of those groups in one pass:
+Between its four matmuls, a decoder layer written with torch ops runs dozens of small ops
+(RMSNorm is seven, rotary about twenty), each a pass over memory and a dispatch through torch,
+a fixed cost per step that shows at decode batch sizes (``python -m bench.layer_ops``: these
+kernels take ~1.5 ms off a 12.5 ms decode step at batch 1). Each kernel does one group in one
+pass:
 
-- ``add_rms_norm``: the residual add and the next RMSNorm;
-- ``rotary_qk``: rotary embedding of q and k, in place in the fused qkv output;
-- ``silu_mul``: SiLU(gate) x up from the fused gate/up output.
+- ``add_rms_norm``: the residual add and the next RMSNorm (``rms_norm`` without the add);
+- ``rotary_qk_``: rotary embedding of q and k, in place in the fused qkv output.
+
+SiLU(gate) x up stays with torch: numba's ``exp`` has no vector form here, and a compiled
+version was 2x slower than torch's ops at decode sizes.
 
 Small inputs (decode batches) run on the calling thread: a parallel launch costs more than
 the work. Prefill-sized inputs split their rows over numba's pool (``numba_launch``).
@@ -110,35 +113,7 @@ def _rotary_parallel(qkv, positions, rotated_heads, head_dim, cos, sin):  # prag
         _rotary_row(qkv[t], rotated_heads, head_dim, cos[p], sin[p])
 
 
-# ---- SiLU(gate) x up -----------------------------------------------------------------------------
-
-
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _silu_mul_row(gate_up, out):  # pragma: no cover - compiled
-    n = out.shape[0]
-    for i in range(n):
-        g = gate_up[i]
-        out[i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[n + i]
-
-
-@numba.njit(fastmath=True, cache=True)
-def _silu_mul_serial(gate_up, out):  # pragma: no cover - compiled
-    for r in range(out.shape[0]):
-        _silu_mul_row(gate_up[r], out[r])
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _silu_mul_parallel(gate_up, out):  # pragma: no cover - compiled
-    for r in numba.prange(out.shape[0]):
-        _silu_mul_row(gate_up[r], out[r])
-
-
 # ---- torch-facing wrappers -----------------------------------------------------------------------
-
-
-def supports(x: torch.Tensor) -> bool:
-    """Whether these kernels run on tensors like ``x`` (float32 on the CPU)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def _rows(x: torch.Tensor) -> np.ndarray:
@@ -183,14 +158,3 @@ def rotary_qk_(
             _rotary_parallel(*args)
     else:
         _rotary_serial(*args)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) x up, where gate_up [T, 2I] = cat(gate, up) -> new [T, I]."""
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    if gate_up.shape[0] >= PARALLEL_ROWS:
-        with parallel_launch():
-            _silu_mul_parallel(_rows(gate_up), out.numpy())
-    else:
-        _silu_mul_serial(_rows(gate_up), out.numpy())
-    return out
