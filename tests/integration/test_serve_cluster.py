@@ -447,8 +447,14 @@ def test_lost_prefill_node_requests_complete_and_a_new_node_takes_the_pool(serve
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == want
     in_flight_s = time.monotonic() - t0
-    # (The counters come with the decode replica's next report.)
-    _wait(lambda: pools(server)["decode"][0]["local_fallbacks"] > before["local_fallbacks"], 10, "local prefills")
+
+    # (The counters come with the decode replica's next report. The pool board may have lived on the removed node:
+    # then Serve starts it elsewhere, ~10 s here, and it lists no decode replica until that one reports again.)
+    def fell_back() -> bool:
+        decode = pools(server)["decode"]
+        return bool(decode) and decode[0]["local_fallbacks"] > before["local_fallbacks"]
+
+    _wait(fell_back, 60, "local prefills")
 
     t1 = time.monotonic()
     ray_cluster.add_node(num_cpus=1, resources={"prefill": 1})
