@@ -116,6 +116,15 @@ def _rotary_parallel(qkv, positions, rotated_heads, head_dim, cos, sin):  # prag
 # ---- torch-facing wrappers -----------------------------------------------------------------------
 
 
+def _launch(serial, parallel, rows: int, *args) -> None:
+    """Runs ``parallel`` over numba's pool for prefill-sized inputs, else ``serial`` on this thread."""
+    if rows >= PARALLEL_ROWS:
+        with parallel_launch():
+            parallel(*args)
+    else:
+        serial(*args)
+
+
 def _rows(x: torch.Tensor) -> np.ndarray:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"expected a 2-D float32 CPU tensor with contiguous rows, got shape {tuple(x.shape)}")
@@ -125,12 +134,7 @@ def _rows(x: torch.Tensor) -> np.ndarray:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) x weight, row by row: x [T, H] -> new [T, H]."""
     out = torch.empty_like(x)
-    args = (_rows(x), weight.detach().numpy(), np.float32(eps), out.numpy())
-    if x.shape[0] >= PARALLEL_ROWS:
-        with parallel_launch():
-            _norm_parallel(*args)
-    else:
-        _norm_serial(*args)
+    _launch(_norm_serial, _norm_parallel, x.shape[0], _rows(x), weight.detach().numpy(), np.float32(eps), out.numpy())
     return out
 
 
@@ -139,11 +143,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     second value: pass an ``x`` nothing else reads (a matmul's fresh output)."""
     out = torch.empty_like(x)
     args = (_rows(x), _rows(residual), weight.detach().numpy(), np.float32(eps), out.numpy())
-    if x.shape[0] >= PARALLEL_ROWS:
-        with parallel_launch():
-            _add_norm_parallel(*args)
-    else:
-        _add_norm_serial(*args)
+    _launch(_add_norm_serial, _add_norm_parallel, x.shape[0], *args)
     return out, x
 
 
@@ -153,8 +153,4 @@ def rotary_qk_(
     """Rotates the first ``rotated_heads`` heads of each row of ``qkv`` [T, heads x head_dim] (q's, then
     k's) in place by the angles of ``positions`` [T]; cos, sin: [max_positions, head_dim] float32."""
     args = (_rows(qkv), positions.numpy(), rotated_heads, head_dim, cos.numpy(), sin.numpy())
-    if qkv.shape[0] >= PARALLEL_ROWS:
-        with parallel_launch():
-            _rotary_parallel(*args)
-    else:
-        _rotary_serial(*args)
+    _launch(_rotary_serial, _rotary_parallel, qkv.shape[0], *args)

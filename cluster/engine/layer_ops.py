@@ -9,6 +9,7 @@ cost more than the work). Like the matmul (``linear.choose_matmul``), the choice
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,4 +113,4 @@ def choose_layer_ops(dtype: torch.dtype, device: str | torch.device) -> LayerOps
 
 def _fallback(reason: str) -> LayerOps:
     log.warning("the compiled CPU layer kernels are unavailable (%s); norms and rotary run as torch ops", reason)
-    return LayerOps("torch", rms_norm_ref, add_rms_norm_ref, rotary_qk_ref_, reason)
+    return dataclasses.replace(TORCH_LAYER_OPS, fallback_reason=reason)
