@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,11 @@ def keep_freed_memory_for_reuse() -> bool:
     if not ok:
         log.debug("mallopt refused the CPU engine's allocation settings; continuing with the defaults")
     return ok
+
+
+def physical_memory_bytes() -> int:
+    """The machine's RAM (0 where the OS does not say: callers then treat every extra copy as too large)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux/macOS
+        return 0

@@ -116,13 +116,28 @@ def _fallback(dtype: torch.dtype, reason: str) -> MatmulChoice:
     return MatmulChoice("torch", F.linear, reason)
 
 
+@dataclass(frozen=True)
+class SmallRowsMatmul:
+    """Where inputs of up to ``max_rows`` rows go instead of the main matmul (``cpu_small_matmul``): ``fn`` reads
+    the plain [out, in] weight, so a ``Linear`` whose weight is packed keeps the plain one beside it."""
+
+    max_rows: int
+    fn: Matmul
+
+
 class Linear(nn.Linear):
     """Same parameters and state-dict names as ``nn.Linear``; forward through ``self.matmul``
-    (``F.linear`` until the engine sets the one chosen for its dtype and device)."""
+    (``F.linear`` until the engine sets the one chosen for its dtype and device), or, for a 2-D input of a few
+    rows, through ``small.fn`` on ``plain_weight`` where the engine set them (``use_small_rows_matmul``)."""
 
     matmul: Matmul = staticmethod(F.linear)
+    small: SmallRowsMatmul | None = None
+    plain_weight: torch.Tensor  # set together with ``small``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = self.small
+        if small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows:
+            return small.fn(x, self.plain_weight, self.bias)
         return self.matmul(x, self.weight, self.bias)
 
 
@@ -146,3 +161,76 @@ def pack_weights(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor])
                 module.weight = nn.Parameter(pack(module.weight.detach()), requires_grad=False)
                 packed += 1
     return packed
+
+
+#: The most memory the plain weights kept beside packed ones may take, as a share of the machine's: small models
+#: (float32 CPU serving) keep them, a model whose linears are a sizeable share of memory runs without the kernel.
+SMALL_ROWS_MEMORY_SHARE = 0.10
+
+
+def choose_small_rows_matmul(
+    dtype: torch.dtype, device: str | torch.device, candidate: Matmul | None = None
+) -> SmallRowsMatmul | None:
+    """The matmul for decode-sized inputs of an engine of this dtype on this device: the compiled kernel for float32
+    on the CPU where it compiles and agrees with ``F.linear``, else None (every input takes the main matmul).
+    Never raises; a failure is logged once (engines call this once, at start)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    try:
+        from cluster.engine import cpu_small_matmul
+    except ImportError as e:  # pragma: no cover - numba is a declared dependency
+        why_not = f"numba cannot be imported ({e})"
+    else:
+        candidate = candidate or cpu_small_matmul.small_rows_linear
+        why_not = _probe_rows(candidate, cpu_small_matmul.SMALL_MATMUL_ROWS)
+        if not why_not:
+            return SmallRowsMatmul(cpu_small_matmul.SMALL_MATMUL_ROWS, candidate)
+    log.warning("the compiled small-batch matmul is unavailable (%s); decode batches use the main matmul", why_not)
+    return None
+
+
+def _probe_rows(candidate: Matmul, max_rows: int) -> str:
+    """``candidate`` against ``F.linear`` on plain weights, at every row count up to ``max_rows``, with and without
+    bias, on a non-contiguous input too. Returns "" if it agrees, else why not."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 72, generator=g)
+    bias = torch.randn(40, generator=g)
+    try:
+        with torch.inference_mode():
+            for rows in range(1, max_rows + 1):
+                x = torch.randn(rows, 80, generator=g)[:, 4:76]
+                for b in (None, bias):
+                    got, want = candidate(x, weight, b), F.linear(x, weight, b)
+                    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                        return "its results differ from F.linear's"
+    except Exception as e:  # noqa: BLE001 - numba/LLVM failures come in many types
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return ""
+
+
+def use_small_rows_matmul(model: nn.Module, small: SmallRowsMatmul, will_pack: bool, memory_bytes: int) -> bool:
+    """Makes every ``Linear`` in ``model`` send inputs of up to ``small.max_rows`` rows to ``small.fn`` on its weight
+    as it is now (call before ``pack_weights``, which then leaves this plain copy in place).
+
+    When the weights will be packed, the plain copies stay in memory beside the packed ones; if they would take
+    more than ``SMALL_ROWS_MEMORY_SHARE`` of ``memory_bytes``, nothing changes and it says so once. Returns whether
+    the kernel is in use."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if will_pack:
+        owners: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+        extra = sum(m.weight.numel() * m.weight.element_size() for m in linears if owners[id(m.weight)] == 1)
+        if extra > SMALL_ROWS_MEMORY_SHARE * memory_bytes:
+            log.warning(
+                "the small-batch matmul is off: its plain copy of the linear weights would take %.1f GiB, more than "
+                "%d%% of this machine's %.1f GiB; decode batches use the main matmul",
+                extra / 2**30,
+                round(SMALL_ROWS_MEMORY_SHARE * 100),
+                memory_bytes / 2**30,
+            )
+            return False
+    for module in linears:
+        module.small = small
+        module.plain_weight = module.weight.detach()
+    return True

@@ -17,10 +17,16 @@ from cluster.engine.attention import get_attention_backend
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
-from cluster.engine.host_memory import keep_freed_memory_for_reuse
+from cluster.engine.host_memory import keep_freed_memory_for_reuse, physical_memory_bytes
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.engine.layer_ops import choose_layer_ops
-from cluster.engine.linear import choose_matmul, pack_weights, use_matmul
+from cluster.engine.linear import (
+    choose_matmul,
+    choose_small_rows_matmul,
+    pack_weights,
+    use_matmul,
+    use_small_rows_matmul,
+)
 from cluster.engine.model_runner import ModelRunner, RunnerOutput, SampledToken
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
@@ -83,6 +89,10 @@ class LLMEngine:
         self.model = load_model(self.model_config, dtype, config.device)
         # Each CPU fast path is tried once here and degrades to the portable one where it fails.
         self.matmul = choose_matmul(dtype, config.device)
+        small_rows = choose_small_rows_matmul(dtype, config.device)
+        self.small_rows_matmul = small_rows is not None and use_small_rows_matmul(
+            self.model, small_rows, will_pack=self.matmul.pack is not None, memory_bytes=physical_memory_bytes()
+        )
         if self.matmul.pack is not None:
             pack_weights(self.model, self.matmul.pack)
         use_matmul(self.model, self.matmul.fn)

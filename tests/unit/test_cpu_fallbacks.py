@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.config import SamplingParams
-from cluster.engine import cpu_features, cpu_layer_kernels
+from cluster.engine import cpu_features, cpu_layer_kernels, cpu_small_matmul
 from cluster.engine import linear as linear_module
 from cluster.engine.attention import cpu_decode
 from cluster.engine.llm_engine import LLMEngine
@@ -37,6 +37,7 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
     monkeypatch.setattr(linear_module, "onednn_linear", _no_primitive)
     monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", _kernel_broken)
     monkeypatch.setattr(cpu_layer_kernels, "add_rms_norm", _kernel_broken)
+    monkeypatch.setattr(cpu_small_matmul, "small_rows_linear", _kernel_broken)
     prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, 512, seed=21)
     with caplog.at_level(logging.WARNING):
         engine = LLMEngine(engine_config(demo_model))
@@ -44,10 +45,12 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
     assert engine.matmul.fn is F.linear and "primitive descriptor" in engine.matmul.fallback_reason
     assert engine.backend._decode_kernel_ok is False
     assert engine.model.layer_ops.name == "torch" and "nopython" in engine.model.layer_ops.fallback_reason
+    assert not engine.small_rows_matmul
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert sum("using torch's F.linear" in w for w in warnings) == 1
     assert sum("decodes run through SDPA" in w for w in warnings) == 1
     assert sum("norms and rotary run as torch ops" in w for w in warnings) == 1
+    assert sum("small-batch matmul is unavailable" in w for w in warnings) == 1
     assert [r["token_ids"] for r in results] == hf_greedy(demo_model, prompts, MAX_TOKENS)
 
 
@@ -55,6 +58,7 @@ def test_engine_uses_the_fast_paths_where_they_work(demo_model):
     engine = LLMEngine(engine_config(demo_model))
     assert engine.backend._decode_kernel_ok is True
     assert engine.model.layer_ops.name == "compiled"
+    assert engine.small_rows_matmul
     if torch.backends.mkldnn.is_available():
         assert engine.matmul.name == "onednn"
 

@@ -1,4 +1,5 @@
-"""The model's linear layer and the choice of its matmul: oneDNN where it runs, F.linear everywhere else."""
+"""The model's linear layer and the choice of its matmul: oneDNN where it runs, F.linear everywhere else
+(the small-batch kernel beside it: test_small_matmul)."""
 
 import logging
 

@@ -1,0 +1,80 @@
+"""The compiled small-batch matmul (``cluster/engine/cpu_small_matmul.py``) against the engine's main matmul.
+
+    python -m bench.small_matmul [--repeats 3] [--batches 1,2,4,8,16] [--context 256] [--max-rows N]
+
+One engine (the ``bench.engine_throughput`` model and arguments), its linear layers switched between
+sending inputs of up to ``SMALL_MATMUL_ROWS`` rows to the compiled kernel ("small") and sending every
+input to the main matmul (oneDNN on packed weights: "main"), A then B within every repeat, so both see
+the same machine:
+
+- decode step time at each batch size (every sequence ``--context`` tokens in), median of 20 steps
+  (batches above ``SMALL_MATMUL_ROWS`` take the main matmul on both sides: a control);
+- the whole ``--workload`` (skewed-64: 64 requests at once), output tokens/s.
+
+Prints min/median/max over the repeats and the small/main ratio of the medians. ``--max-rows`` sends inputs of
+up to N rows to the kernel instead of ``SMALL_MATMUL_ROWS``: how the threshold was chosen
+(``--max-rows 16 --batches 8,12,16``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from bench.engine_throughput import BENCH_SPEC, add_engine_args, make_engine
+from bench.layer_ops import decode_step_ms, workload_tok_s
+from cluster.engine.cpu_small_matmul import SMALL_MATMUL_ROWS, small_rows_linear
+from cluster.engine.linear import Linear, SmallRowsMatmul
+from cluster.tools.demo_model import ensure_demo_model
+from cluster.tools.workloads import load_workload
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="1,2,4,8,16")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--max-rows", type=int, default=SMALL_MATMUL_ROWS, help="inputs of up to N rows take the kernel")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_demo_model(args.model_dir, BENCH_SPEC)
+    _, requests = load_workload(args.workload, BENCH_SPEC.vocab_size)
+    engine = make_engine(model_dir, args, requests)
+    if not engine.small_rows_matmul:
+        raise SystemExit("the compiled small-batch matmul is not in use here (see the engine's warning)")
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    small = SmallRowsMatmul(args.max_rows, small_rows_linear)
+    sides = {"small": small, "main": None}
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = [f"decode step, batch {b}, ms" for b in batches] + [f"{args.workload}, output tok/s"]
+    results: dict[str, dict[str, list[float]]] = {s: {r: [] for r in rows} for s in sides}
+    print(
+        f"main matmul {engine.matmul.name}; small-batch kernel up to {args.max_rows} rows; threads "
+        f"{args.threads}; context {args.context}; {args.repeats} repeats, small then main in each"
+    )
+    for repeat in range(args.repeats):
+        for side, choice in sides.items():
+            for module in linears:
+                module.small = choice
+            rng = random.Random(repeat)  # the same prompts for both sides of a repeat
+            got = [decode_step_ms(engine, rng, b, args.context) for b in batches]
+            got.append(workload_tok_s(engine, requests))
+            for row, value in zip(rows, got, strict=True):
+                results[side][row].append(value)
+        print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
+    print(f"\n{'':<36} {'small min/med/max':>24} {'main min/med/max':>24} {'ratio':>7}")
+    for row in rows:
+        cells = []
+        for side in sides:
+            v = results[side][row]
+            cells.append(f"{min(v):7.1f} {statistics.median(v):7.1f} {max(v):7.1f}")
+        ratio = statistics.median(results["small"][row]) / statistics.median(results["main"][row])
+        print(f"{row:<36} {cells[0]:>24} {cells[1]:>24} {ratio:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
