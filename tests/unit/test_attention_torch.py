@@ -36,9 +36,10 @@ def paged_context(seq_lens, block_size, kv_heads, head_dim, dtype, seed=0):
 
 
 @pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 1), (16, 32, 4), (32, 128, 2), (8, 64, 8)])
-def test_cpu_decode_kernel_matches_reference(block_size, head_dim, group):
+@pytest.mark.parametrize("batch", ["many", "one"])  # the parallel kernel, and the serial one a single sequence takes
+def test_cpu_decode_kernel_matches_reference(block_size, head_dim, group, batch):
     kv_heads = 2
-    seq_lens = [1, block_size, block_size + 1, 333, 7]
+    seq_lens = [1, block_size, block_size + 1, 333, 7] if batch == "many" else [333]
     k_cache, v_cache, tables, g = paged_context(seq_lens, block_size, kv_heads, head_dim, torch.float32)
     # A strided query, as sliced out of a fused qkv projection.
     query = torch.randn(len(seq_lens), kv_heads * group + 3, head_dim, generator=g)[:, 1 : 1 + kv_heads * group]
@@ -144,15 +145,15 @@ def test_warm_up_compiles_the_decode_kernel_in_a_fresh_process():
     code = (
         "import torch\n"
         "from cluster.engine.attention.torch_backend import TorchAttentionBackend\n"
-        "from cluster.engine.attention.cpu_decode import _decode_kernel\n"
-        "assert not _decode_kernel.signatures\n"
+        "from cluster.engine.attention.cpu_decode import _decode_parallel, _decode_serial\n"
+        "assert not _decode_parallel.signatures and not _decode_serial.signatures\n"
         "cache = torch.randn(4, 16, 2, 32)\n"
         "TorchAttentionBackend().warm_up(cache, cache)\n"
-        "print(len(_decode_kernel.signatures))\n"
+        "print(len(_decode_parallel.signatures), len(_decode_serial.signatures))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "1"
+    assert proc.stdout.strip() == "1 1"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

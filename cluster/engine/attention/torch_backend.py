@@ -35,13 +35,16 @@ def probe_cpu_decode_kernel() -> str:
     query = torch.randn(2, 4, 32, generator=g)
     tables = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([20, 9], dtype=torch.int32)
-    try:
-        got = _cpu_decode.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, 0.2)
-    except Exception as e:  # noqa: BLE001 - numba/LLVM failures come in many types
-        return f"{type(e).__name__}: {e}"
-    want = paged_decode_attention_ref(query, k_cache, v_cache, tables, seq_lens, 0.2)
-    if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
-        return f"its output differs from the reference by {float((got - want).abs().max()):.2e}"
+    # Two sequences, then one: the kernel's parallel and serial forms.
+    for rows in (slice(0, 2), slice(1, 2)):
+        args = (query[rows], k_cache, v_cache, tables[rows], seq_lens[rows], 0.2)
+        try:
+            got = _cpu_decode.paged_decode_attention_cpu(*args)
+        except Exception as e:  # noqa: BLE001 - numba/LLVM failures come in many types
+            return f"{type(e).__name__}: {e}"
+        want = paged_decode_attention_ref(*args)
+        if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+            return f"its output differs from the reference by {float((got - want).abs().max()):.2e}"
     return ""
 
 
