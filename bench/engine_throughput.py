@@ -34,14 +34,15 @@ BENCH_SPEC = DemoModelSpec(
 )
 
 
-def make_engine(model_dir: Path, args, requests) -> LLMEngine:
+def make_engine(model_dir: Path, args, requests, prefix_caching: bool = True) -> LLMEngine:
     """The engine under test, warmed up (kernels compiled, memory touched) on the first two
-    requests' prompts with 4 output tokens each."""
+    requests' prompts with 4 output tokens each. A/B benches that send the same prompts to both
+    sides pass ``prefix_caching=False``, so the side measured second computes them too."""
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
             num_threads=args.threads,
-            cache=CacheConfig(block_size=16, num_blocks=args.num_blocks),
+            cache=CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256),
         )
     )

@@ -18,6 +18,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -74,6 +75,25 @@ def workload_tok_s(engine: LLMEngine, requests) -> float:
     return produced / (time.perf_counter() - start)
 
 
+def alternate(
+    sides: list[str],
+    use: Callable[[str], None],
+    measure: Callable[[random.Random], list[float]],
+    rows: list[str],
+    repeats: int,
+) -> dict[str, dict[str, list[float]]]:
+    """Each repeat: ``use(side)`` then ``measure(rng)`` -> one value per row, for every side in turn, all sides of a
+    repeat on the same prompts (seeded by the repeat). Returns side -> row -> values."""
+    results: dict[str, dict[str, list[float]]] = {side: {row: [] for row in rows} for side in sides}
+    for repeat in range(repeats):
+        for side in sides:
+            use(side)
+            for row, value in zip(rows, measure(random.Random(repeat)), strict=True):
+                results[side][row].append(value)
+        print(f"  repeat {repeat + 1}/{repeats} done", flush=True)
+    return results
+
+
 def print_ab_table(results: dict[str, dict[str, list[float]]], rows: list[str], a: str, b: str) -> None:
     """One line per row: min/median/max of side ``a``, of side ``b``, and the a/b ratio of the medians."""
     print(f"\n{'':<36} {a + ' min/med/max':>24} {b + ' min/med/max':>24} {'ratio':>7}")
@@ -96,7 +116,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_model(args.model_dir, BENCH_SPEC)
     _, requests = load_workload(args.workload, BENCH_SPEC.vocab_size)
-    engine = make_engine(model_dir, args, requests)
+    engine = make_engine(model_dir, args, requests, prefix_caching=False)
     compiled = engine.model.layer_ops
     if compiled.name != "compiled":
         raise SystemExit(f"the compiled layer kernels are unavailable here: {compiled.fallback_reason}")
@@ -104,21 +124,18 @@ def main(argv=None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = [f"decode step, batch {b}, ms" for b in batches]
     rows += [f"prefill step, {args.max_num_batched_tokens} tokens, ms", f"{args.workload}, output tok/s"]
-    results: dict[str, dict[str, list[float]]] = {s: {r: [] for r in rows} for s in sides}
     print(f"threads {args.threads}; context {args.context}; {args.repeats} repeats, compiled then torch in each")
-    # One untimed pass first: the first run of the workload pays for page faults that would land on the side
-    # measured first.
-    workload_tok_s(engine, requests)
-    for repeat in range(args.repeats):
-        for side, ops in sides.items():
-            engine.model.layer_ops = ops
-            rng = random.Random(repeat)  # the same prompts for both sides of a repeat
-            got = [decode_step_ms(engine, rng, b, args.context) for b in batches]
-            got.append(prefill_step_ms(engine, rng, args.max_num_batched_tokens, args.context))
-            got.append(workload_tok_s(engine, requests))
-            for row, value in zip(rows, got, strict=True):
-                results[side][row].append(value)
-        print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
+
+    def use(side: str) -> None:
+        engine.model.layer_ops = sides[side]
+
+    def measure(rng: random.Random) -> list[float]:
+        got = [decode_step_ms(engine, rng, b, args.context) for b in batches]
+        got.append(prefill_step_ms(engine, rng, args.max_num_batched_tokens, args.context))
+        return [*got, workload_tok_s(engine, requests)]
+
+    workload_tok_s(engine, requests)  # untimed: the first run pays page faults that would land on one side
+    results = alternate(list(sides), use, measure, rows, args.repeats)
     print_ab_table(results, rows, "compiled", "torch")
 
 

@@ -24,7 +24,7 @@ import random
 import torch
 
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, make_engine
-from bench.layer_ops import decode_step_ms, print_ab_table, workload_tok_s
+from bench.layer_ops import alternate, decode_step_ms, print_ab_table, workload_tok_s
 from cluster.engine.cpu_small_matmul import SMALL_MATMUL_ROWS, small_rows_linear
 from cluster.engine.linear import Linear, SmallRowsMatmul
 from cluster.tools.demo_model import ensure_demo_model
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_model(args.model_dir, BENCH_SPEC)
     _, requests = load_workload(args.workload, BENCH_SPEC.vocab_size)
-    engine = make_engine(model_dir, args, requests)
+    engine = make_engine(model_dir, args, requests, prefix_caching=False)
     if not engine.small_rows_matmul:
         raise SystemExit("the compiled small-batch matmul is not in use here (see the engine's warning)")
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
@@ -50,24 +50,20 @@ def main(argv=None) -> None:
     sides = {"small": small, "main": None}
     batches = [int(b) for b in args.batches.split(",")]
     rows = [f"decode step, batch {b}, ms" for b in batches] + [f"{args.workload}, output tok/s"]
-    results: dict[str, dict[str, list[float]]] = {s: {r: [] for r in rows} for s in sides}
     print(
         f"main matmul {engine.matmul.name}; small-batch kernel up to {args.max_rows} rows; threads "
         f"{args.threads}; context {args.context}; {args.repeats} repeats, small then main in each"
     )
-    # One untimed pass first: the first run of the workload pays for page faults that would land on the side
-    # measured first.
-    workload_tok_s(engine, requests)
-    for repeat in range(args.repeats):
-        for side, choice in sides.items():
-            for module in linears:
-                module.small = choice
-            rng = random.Random(repeat)  # the same prompts for both sides of a repeat
-            got = [decode_step_ms(engine, rng, b, args.context) for b in batches]
-            got.append(workload_tok_s(engine, requests))
-            for row, value in zip(rows, got, strict=True):
-                results[side][row].append(value)
-        print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
+
+    def use(side: str) -> None:
+        for module in linears:
+            module.small = sides[side]
+
+    def measure(rng: random.Random) -> list[float]:
+        return [*(decode_step_ms(engine, rng, b, args.context) for b in batches), workload_tok_s(engine, requests)]
+
+    workload_tok_s(engine, requests)  # untimed: the first run pays page faults that would land on one side
+    results = alternate(list(sides), use, measure, rows, args.repeats)
     print_ab_table(results, rows, "small", "main")
 
 
