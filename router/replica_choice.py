@@ -4,11 +4,18 @@ Replicas report plain numbers through ``record_routing_stats`` (Serve polls them
 ``routing_stats_period_s``); the routers rank candidates with the pure functions below:
 
   decode  - KV headroom first (a replica that can hold the request's prompt + max_tokens
-            blocks), then the running batch (running + waiting sequences, tokens per step)
+            blocks), then the load (running + waiting sequences, or the requests this router has
+            in flight there if more), then tokens per step
   prefill - prefix affinity and queue together: the replica with the fewest tokens to
             compute = its queued prefill tokens + the prompt tokens it has not seen (block-hash
             overlap with what this router sent it, using ``hash_full_blocks``'s chained hashes);
-            a retry (``attempt > 0``) avoids replicas that already had the request.
+            a retry (``attempt > 0``) avoids replicas that already had the request; ties go to
+            the replica with fewer requests in flight from this router.
+
+Routing stats are up to a period old, so between two polls every request would see the same
+numbers and go to the same replica. Serve's own count of the requests this router has sent and
+not yet seen finish (its queue-length cache, updated on every send and completion) is what keeps
+a burst spread over the replicas.
 """
 
 from __future__ import annotations
@@ -26,26 +33,38 @@ T = TypeVar("T")
 # ---- pure ranking ------------------------------------------------------------------------
 
 
-def rank_decode(stats: Sequence[DecodeRoutingStats], need_blocks: int) -> list[int]:
-    """Indices of ``stats`` best first. Unknown stats (a fresh replica) count as empty."""
+def rank_decode(
+    stats: Sequence[DecodeRoutingStats], need_blocks: int, in_flight: Sequence[int] | None = None
+) -> list[int]:
+    """Indices of ``stats`` best first. Unknown stats (a fresh replica) count as empty. ``in_flight[i]``: requests
+    this router has sent to replica ``i`` and not seen finish; both it and the reported sequences undercount the
+    load (other routers' requests; requests sent since the report), so the larger one counts."""
+    sent = in_flight if in_flight is not None else [0] * len(stats)
 
     def key(i: int):
         s = stats[i]
         total = max(s.kv_blocks_total, 1)
         fits = s.kv_blocks_free >= need_blocks
-        return (not fits, s.running + s.waiting, s.batch_tokens, -(s.kv_blocks_free - need_blocks) / total, i)
+        load = max(s.running + s.waiting, sent[i])
+        return (not fits, load, s.batch_tokens, -(s.kv_blocks_free - need_blocks) / total, i)
 
     return sorted(range(len(stats)), key=key)
 
 
 def rank_prefill(
-    stats: Sequence[PrefillRoutingStats], overlaps: Sequence[int], num_prompt_tokens: int, block_size: int
+    stats: Sequence[PrefillRoutingStats],
+    overlaps: Sequence[int],
+    num_prompt_tokens: int,
+    block_size: int,
+    in_flight: Sequence[int] | None = None,
 ) -> list[int]:
-    """Indices best first by tokens to compute: queued prefill tokens + this prompt's uncached part."""
+    """Indices best first by tokens to compute: queued prefill tokens + this prompt's uncached part; then the
+    longer cached prefix, then fewer requests in flight from this router (``in_flight[i]``)."""
+    sent = in_flight if in_flight is not None else [0] * len(stats)
 
     def key(i: int):
         uncached = max(0, num_prompt_tokens - overlaps[i] * block_size)
-        return (stats[i].queued_prefill_tokens + uncached, -overlaps[i], i)
+        return (stats[i].queued_prefill_tokens + uncached, -overlaps[i], sent[i], i)
 
     return sorted(range(len(stats)), key=key)
 
@@ -73,6 +92,12 @@ def _task(pending_request: PendingRequest | None, kind: type[T]) -> T | None:
 # ---- Serve request routers -----------------------------------------------------------------
 
 
+def _in_flight(router: RequestRouter, replicas: Sequence[RunningReplica]) -> list[int]:
+    """Requests this router has in flight at each replica, from Serve's queue-length cache (0 when unknown)."""
+    cache = router.replica_queue_len_cache
+    return [cache.get(r.replica_id) or 0 for r in replicas]
+
+
 class DecodeRequestRouter(RequestRouter):
     def initialize_state(self, block_size: int = 16, **kwargs: Any) -> None:
         self.block_size = block_size
@@ -83,7 +108,8 @@ class DecodeRequestRouter(RequestRouter):
         # HTTP requests through Serve's proxy carry no task yet: rank by load alone.
         task = _task(pending_request, GenerateTask)
         need = -(-(len(task.prompt_token_ids) + task.params.max_tokens) // self.block_size) if task is not None else 1
-        order = rank_decode([DecodeRoutingStats.from_dict(r.routing_stats) for r in candidate_replicas], need)
+        stats = [DecodeRoutingStats.from_dict(r.routing_stats) for r in candidate_replicas]
+        order = rank_decode(stats, need, _in_flight(self, candidate_replicas))
         return [[candidate_replicas[i]] for i in order]
 
 
@@ -107,7 +133,7 @@ class PrefillRequestRouter(RequestRouter):
             candidates = fresh or candidates
         overlaps = [prefix_overlap(self._known.get(r.replica_id.unique_id), task.block_hashes) for r in candidates]
         stats = [PrefillRoutingStats.from_dict(r.routing_stats) for r in candidates]
-        order = rank_prefill(stats, overlaps, len(task.prompt_token_ids), self.block_size)
+        order = rank_prefill(stats, overlaps, len(task.prompt_token_ids), self.block_size, _in_flight(self, candidates))
         return [[candidates[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -39,6 +39,26 @@ def test_decode_unknown_stats_count_as_empty():
     assert rank_decode(stats, 1) == [1, 0]
 
 
+def test_decode_counts_requests_in_flight_that_stats_have_not_seen_yet():
+    """Between two stats polls both replicas read empty: the requests this router sent since then spread a burst."""
+    idle = {"kv_blocks_free": 100, "kv_blocks_total": 100}
+    assert rank_decode(decode_stats(idle, idle), 1, in_flight=[1, 0]) == [1, 0]
+    assert rank_decode(decode_stats(idle, idle), 1, in_flight=[2, 2]) == [0, 1]
+    # The larger of the two counts: a replica reporting 3 sequences is busier than one with 2 requests in flight.
+    busy = {"kv_blocks_free": 100, "kv_blocks_total": 100, "running": 3}
+    assert rank_decode(decode_stats(busy, idle), 1, in_flight=[0, 2]) == [1, 0]
+    # Fitting the request still comes first.
+    full = {"kv_blocks_free": 0, "kv_blocks_total": 100}
+    assert rank_decode(decode_stats(full, idle), 1, in_flight=[0, 5]) == [1, 0]
+
+
+def test_prefill_ties_go_to_fewer_requests_in_flight():
+    stats = prefill_stats({}, {})
+    assert rank_prefill(stats, [0, 0], 64, 16, in_flight=[1, 0]) == [1, 0]
+    # Tokens to compute still rule: a cached prefix beats an idle replica.
+    assert rank_prefill(stats, [3, 0], 64, 16, in_flight=[4, 0]) == [0, 1]
+
+
 def test_prefix_overlap_counts_leading_blocks():
     a = hash_full_blocks(list(range(64)), 16)
     known = OrderedDict((h, None) for h in a[:3])
