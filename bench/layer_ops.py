@@ -18,10 +18,10 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
+from bench.ab import alternate, print_ab_table
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, greedy, make_engine
 from cluster.engine.layer_ops import TORCH_LAYER_OPS
 from cluster.engine.llm_engine import LLMEngine
@@ -73,37 +73,6 @@ def workload_tok_s(engine: LLMEngine, requests) -> float:
     while engine.has_unfinished_requests():
         produced += sum(len(o.new_token_ids) for o in engine.step())
     return produced / (time.perf_counter() - start)
-
-
-def alternate(
-    sides: list[str],
-    use: Callable[[str], None],
-    measure: Callable[[random.Random], list[float]],
-    rows: list[str],
-    repeats: int,
-) -> dict[str, dict[str, list[float]]]:
-    """Each repeat: ``use(side)`` then ``measure(rng)`` -> one value per row, for every side in turn, all sides of a
-    repeat on the same prompts (seeded by the repeat). Returns side -> row -> values."""
-    results: dict[str, dict[str, list[float]]] = {side: {row: [] for row in rows} for side in sides}
-    for repeat in range(repeats):
-        for side in sides:
-            use(side)
-            for row, value in zip(rows, measure(random.Random(repeat)), strict=True):
-                results[side][row].append(value)
-        print(f"  repeat {repeat + 1}/{repeats} done", flush=True)
-    return results
-
-
-def print_ab_table(results: dict[str, dict[str, list[float]]], rows: list[str], a: str, b: str) -> None:
-    """One line per row: min/median/max of side ``a``, of side ``b``, and the a/b ratio of the medians."""
-    print(f"\n{'':<36} {a + ' min/med/max':>24} {b + ' min/med/max':>24} {'ratio':>7}")
-    for row in rows:
-        cells = []
-        for side in (a, b):
-            v = results[side][row]
-            cells.append(f"{min(v):7.1f} {statistics.median(v):7.1f} {max(v):7.1f}")
-        ratio = statistics.median(results[a][row]) / statistics.median(results[b][row])
-        print(f"{row:<36} {cells[0]:>24} {cells[1]:>24} {ratio:6.2f}x")
 
 
 def main(argv=None) -> None:

@@ -23,8 +23,9 @@ import random
 
 import torch
 
+from bench.ab import alternate, print_ab_table
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, make_engine
-from bench.layer_ops import alternate, decode_step_ms, print_ab_table, workload_tok_s
+from bench.layer_ops import decode_step_ms, workload_tok_s
 from cluster.engine.cpu_small_matmul import SMALL_MATMUL_ROWS, small_rows_linear
 from cluster.engine.linear import Linear, SmallRowsMatmul
 from cluster.tools.demo_model import ensure_demo_model
