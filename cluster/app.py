@@ -3,7 +3,8 @@
 
     client --HTTP--> DecodeServer (decode pool; serves HTTP itself: OpenAIServer + DecodeWorker)
                           --handle--> PrefillServer (prefill pool; absent when colocated)
-             PoolBoard: the latest ReplicaStats of every replica (health, /metrics, /admin/pools)
+             PoolBoard: the latest ReplicaStats of every replica (health, /metrics, /admin/pools); in the
+                        decode replica's process when that replica is the only one
 
 The replica that owns a request's stream serves its HTTP: the edge (``router.server``) runs in the
 decode replica's process next to the engine, so tokens reach the client with no hop between
@@ -22,7 +23,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
@@ -31,8 +31,9 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from cluster.engine.host_memory import ARENA_ENV
 from cluster.serving.autoscaling import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, replica_env, serve_autoscaling_config
 from cluster.serving.config import PoolConfig, ServeConfig
-from cluster.serving.messages import PrefillResult, PrefillTask, ReplicaStats
+from cluster.serving.messages import PrefillResult, PrefillTask
 from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
+from cluster.serving.pool_board import InProcessBoard, PoolBoard
 from router.replica_choice import DecodeRequestRouter, PrefillRequestRouter
 
 if TYPE_CHECKING:
@@ -43,25 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 APP_NAME = "shapeserve"
-
-
-class PoolBoard:
-    """The latest ``ReplicaStats`` of every pool replica (for /health, /metrics, /admin/pools).
-
-    Reports older than ``stale_after_s`` are dropped: a dead replica disappears on its own.
-    """
-
-    def __init__(self, stale_after_s: float):
-        self.stale_after_s = stale_after_s
-        self._latest: dict[tuple[str, str], ReplicaStats] = {}
-
-    def report(self, stats: ReplicaStats) -> None:
-        self._latest[(stats.pool, stats.replica_id)] = stats
-
-    def snapshot(self) -> list[ReplicaStats]:
-        cutoff = time.time() - self.stale_after_s
-        self._latest = {k: s for k, s in self._latest.items() if s.reported_at >= cutoff}
-        return sorted(self._latest.values(), key=lambda s: (s.pool, s.replica_id))
 
 
 def replica_id() -> str:
@@ -126,6 +108,8 @@ class DecodeServer:
         tracing.configure(config.tracing, "decode")
         allow_rebind_after_crash()  # before Serve starts this replica's HTTP server (after __init__)
 
+        if isinstance(board, PoolBoard):  # the board of a lone replica, passed by value (``board_in_process``)
+            board = InProcessBoard(board)
         kv_host = node_ip() if prefill is not None and config.kv_transfer_host is None else None
         self.worker: DecodeWorker = await DecodeWorker.start(
             config, model_dir, prefill, board, replica_id(), num_threads, kv_host
@@ -251,9 +235,15 @@ def build_app(
     if placement is None:
         placement = place_pools(config, *cluster_resources())
     log.info(describe(placement))
-    board = serve.deployment(
-        name="PoolBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
-    )(PoolBoard).bind(stale_after_s=max(3.0, 6 * config.routing_stats_period_s))
+    board_stale_after_s = max(3.0, 6 * config.routing_stats_period_s)
+    board: Any
+    if board_in_process(config, placement):
+        # One replica reports: it holds the board itself (a copy of this object is passed to its constructor).
+        board = PoolBoard(board_stale_after_s)
+    else:
+        board = serve.deployment(
+            name="PoolBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+        )(PoolBoard).bind(stale_after_s=board_stale_after_s)
     prefill = None
     if placement.prefill is not None:
         options = _pool_options(PREFILL_DEPLOYMENT, config.prefill, placement.prefill, config, PrefillRequestRouter)
@@ -264,6 +254,12 @@ def build_app(
     return serve.deployment(**options)(DecodeServer).bind(
         config, model_dir, prefill, board, placement.decode.num_threads
     )
+
+
+def board_in_process(config: ServeConfig, placement: Placement) -> bool:
+    """Whether the pool board lives in the decode replica: when that replica is the only one there will ever be
+    (no prefill pool, one decode replica, no autoscaling), so no other process reports to it or reads it."""
+    return placement.prefill is None and config.decode.num_replicas == 1 and config.decode.autoscaling is None
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -1,0 +1,55 @@
+"""The pool board: the latest ``ReplicaStats`` of every pool replica, for /health, /metrics and /admin/pools.
+
+Replicas report to it every ``routing_stats_period_s`` and the HTTP edges read it, through a Serve handle:
+``board.report.remote(stats)``, ``await board.snapshot.remote()``. Where there is only one replica to report,
+the default on a small node (one decode replica that also prefills), the board lives in that replica's
+process instead (``InProcessBoard``: the same calls, no process of its own). A board deployment is one more Ray
+worker process, and every Ray worker wakes up every 10 ms even when idle: on two cores those wake-ups land on
+the cores the engine computes on, and stall its parallel regions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cluster.serving.messages import ReplicaStats
+
+
+class PoolBoard:
+    """The latest ``ReplicaStats`` of every pool replica.
+
+    Reports older than ``stale_after_s`` are dropped: a dead replica disappears on its own.
+    """
+
+    def __init__(self, stale_after_s: float):
+        self.stale_after_s = stale_after_s
+        self._latest: dict[tuple[str, str], ReplicaStats] = {}
+
+    def report(self, stats: ReplicaStats) -> None:
+        self._latest[(stats.pool, stats.replica_id)] = stats
+
+    def snapshot(self) -> list[ReplicaStats]:
+        cutoff = time.time() - self.stale_after_s
+        self._latest = {k: s for k, s in self._latest.items() if s.reported_at >= cutoff}
+        return sorted(self._latest.values(), key=lambda s: (s.pool, s.replica_id))
+
+
+class _AwaitableCall:
+    """``method.remote(*args)`` as a Serve handle spells it, answered at once by a local call."""
+
+    def __init__(self, method: Callable[..., Any]):
+        self._method = method
+
+    async def remote(self, *args: Any) -> Any:
+        return self._method(*args)
+
+
+class InProcessBoard:
+    """A ``PoolBoard`` in the process of the one replica that reports to it, behind a handle's call shape."""
+
+    def __init__(self, board: PoolBoard):
+        self.board = board
+        self.report = _AwaitableCall(board.report)
+        self.snapshot = _AwaitableCall(board.snapshot)

@@ -1,0 +1,46 @@
+"""``shapeserve serve`` as a small node gets it by default (one decode replica that also prefills, direct ingress):
+the decode replica serves the port and holds the pool board: no board replica, and /health, /admin/pools and
+/metrics still answer from the board. (Serve 2.60 keeps one proxy on the head under direct ingress whatever
+``proxy_location`` says.)"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from bench.server_process import group_of
+from tests.integration.live_server import live_server, settled_scrape, total
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, tmp_path_factory):
+    with live_server(demo_model, tmp_path_factory.mktemp("default"), "device: cpu\nserved_model_name: demo") as proc:
+        yield proc
+
+
+def test_one_replica_and_no_board_process(server):
+    groups = sorted(group_of(p) for p in server.tree())
+    assert groups.count("decode replica (edge + engine)") == 1, groups
+    assert "pool board" not in groups and "prefill replica" not in groups, groups
+
+
+def test_the_in_process_board_reports_the_replica(server):
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    end = time.monotonic() + 20
+    while True:  # the replica reports every routing_stats_period_s
+        replicas = httpx.get(f"{server.url}/admin/pools", timeout=30).json()["replicas"]
+        if [r["pool"] for r in replicas] == ["decode"] and replicas[0]["steps"] > 0:
+            break
+        assert time.monotonic() < end, replicas
+        time.sleep(0.5)
+    assert replicas[0]["healthy"] and replicas[0]["kv_blocks_total"] > 0, replicas
+    page = settled_scrape(server.url)
+    assert total(page, "shapeserve_requests_total", outcome="ok") == 1
+    # The per-replica series come from the board's reports.
+    assert any(name == "vllm:kv_cache_usage_perc" for name, _ in page), sorted({name for name, _ in page})
