@@ -65,9 +65,8 @@ class OutputStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.idle_wait_s = idle_wait_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         #: Event-loop side only.
@@ -211,8 +210,10 @@ class AsyncEngine:
         self.engine.block_pool.check_integrity()  # AssertionError: the pool is corrupt, the loop must end
 
     def _drain_commands(self, block: bool) -> None:
+        # Idle, the thread sleeps until a command comes (``shutdown`` sends one): no timed wake-ups, which on a
+        # small machine land on the cores another process computes on.
         try:
-            cmd = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+            cmd = self._commands.get() if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
