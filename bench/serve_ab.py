@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{side}-label", default=side.upper())
     args = ap.parse_args(argv)
 
-    model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
+    # Absolute: a side's server runs from its own tree.
+    model_dir = str(Path(ensure_demo_model(args.model_dir, BENCH_SPEC)).resolve())
     sides = {
         s.label: s
         for s in (
