@@ -64,6 +64,13 @@ class OutputStream:
         return ready
 
 
+#: How long a thread that wants the GIL waits before its holder is asked to drop it (CPython's default: 5 ms).
+#: The engine thread drops the GIL in every torch and numba call and takes it back after, hundreds of times per
+#: step; while the event loop's thread runs Python (streaming the last step's outputs, parsing requests), each
+#: take-back can wait up to the interval.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -81,6 +88,7 @@ class AsyncEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: the engine shares its process with a server
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
