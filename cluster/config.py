@@ -131,10 +131,6 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
-    #: Map the whole CPU KV pool's memory at start (``cluster.engine.kv_cache``). Servers do: otherwise each
-    #: block's first use zeroes its pages in the middle of an engine step. Off by default, so tests and tools
-    #: that build many engines do not commit a pool's memory each.
-    prefault_kv_cache: bool = False
 
 
 @dataclass(frozen=True)

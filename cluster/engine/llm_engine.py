@@ -110,7 +110,7 @@ class LLMEngine:
             self.model_config, cache.block_size, config.dtype, cache.kv_cache_memory_gb
         )
         self.kv_layout = KVLayout.for_model(self.model_config, cache.block_size, config.dtype, num_blocks)
-        self.kv_cache = allocate_kv_cache(self.kv_layout, config.device, prefault=cache.prefault_kv_cache)
+        self.kv_cache = allocate_kv_cache(self.kv_layout, config.device)
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, cache, self.block_pool)
         self.backend = get_attention_backend(config.attention_backend, config.device)

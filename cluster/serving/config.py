@@ -305,7 +305,6 @@ class ServeConfig(_Frozen):
             num_blocks=p.num_blocks,
             kv_cache_memory_gb=p.kv_cache_memory_gb,
             enable_prefix_caching=self.enable_prefix_caching,
-            prefault_kv_cache=True,  # a replica serves for long: its pool's memory is mapped once, at start
             max_num_batched_tokens=p.max_num_batched_tokens,
             max_num_seqs=p.max_num_seqs,
             long_prefill_token_threshold=p.long_prefill_token_threshold,

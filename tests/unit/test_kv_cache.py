@@ -1,12 +1,11 @@
-"""The CPU KV pool is zeroed without being written: its pages are touched only when blocks are used, unless the
-pool is prefaulted (servers), when they are all mapped at start and zero."""
+"""The CPU KV pool is zeroed without being written: its pages are touched only when blocks are used."""
 
 import os
 
 import pytest
 import torch
 
-from cluster.engine.kv_cache import allocate_kv_cache, prefaulted
+from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.kv_layout import KVLayout
 
 
@@ -37,27 +36,3 @@ def test_allocating_a_large_pool_does_not_touch_its_memory():
     kv[0, 0, :64] = 1.0  # the blocks written are the memory used
     assert _rss_bytes() - before < nbytes // 8
     assert kv[0, 0, :64].sum().item() == 64 * 16 * 4 * 64
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-def test_a_prefaulted_pool_is_mapped_at_start_and_zeroed():
-    layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=1024)
-    nbytes = 2 * 2 * 1024 * 16 * 4 * 64 * 4  # 64 MiB
-    before = _rss_bytes()
-    kv = allocate_kv_cache(layout, prefault=True)
-    assert prefaulted(kv, timeout_s=30)
-    if _rss_bytes() - before < nbytes // 2:
-        pytest.skip("this kernel does not map pages on MADV_POPULATE_WRITE (Linux < 5.14): the pool stays lazy")
-    assert _rss_bytes() - before >= nbytes * 0.9
-    assert not kv.any()
-    kv[1, 1, 1023] = 2.0
-    assert kv.sum().item() == 2.0 * 16 * 4 * 64
-
-
-def test_server_pools_prefault_and_other_engines_do_not(demo_model):
-    from cluster.config import EngineConfig
-    from cluster.serving.config import ServeConfig
-
-    for pool in ("decode", "prefill"):
-        assert ServeConfig().engine_config(pool, str(demo_model), 1).cache.prefault_kv_cache
-    assert not EngineConfig.build(str(demo_model)).cache.prefault_kv_cache
