@@ -7,7 +7,7 @@
 A side is a source tree (``--a-rev``: a git revision, checked out once into a worktree under
 /tmp/shapeserve-serve-ab/, run with this repository's virtualenv; default: this working tree), environment
 variables and extra ``shapeserve serve`` arguments. For every pair, each side in turn (A B, then B A in the
-next pair: the first server of a pair runs on a machine that was just busy stopping nothing) gets:
+next pair: on this kind of VM, going first in a pair is itself an advantage or a handicap) gets:
 
   1. a fresh server (its own local Ray, the bench model, SLO admission off so both serve every request), timed
      to ``/health``, then one greedy request to warm it up;
@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -155,13 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     spec, _ = load_workload(args.workload, BENCH_SPEC.vocab_size)
     print(f"workload {args.workload} at {args.rate} req/s; {args.pairs} pairs, order alternating", flush=True)
 
-    current: dict[str, ServerProcess] = {}
+    current: dict[str, Any] = {}  # the server being measured and its side's label
 
     def use(label: str) -> None:
         server = start(sides[label], model_dir, args.port, config)
         warm_up(server.url, Path(model_dir).name)
         current["server"] = server
-        current["label"] = label  # type: ignore[assignment]
+        current["label"] = label
 
     def measure(rng: random.Random) -> list[float]:
         server = current["server"]
