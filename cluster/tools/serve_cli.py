@@ -128,8 +128,8 @@ def quiet_serve_env() -> dict[str, str]:
     either pool).
 
     Serve's controller reconciles every 0.1 s by default, mostly to notice changes that cannot happen here
-    (replicas to add, routes to move); each pass also queries the GCS. Idle, that was the server's busiest
-    process after the replica: ~33 ms of CPU per second between the two, on the cores the engine computes on.
+    (replicas to add, routes to move); each pass also queries the GCS. Idle, those two were the server's busiest
+    processes after the replica, on the cores the engine computes on.
     Every 0.5 s, a crashed replica is noticed up to 0.4 s later; start-up is not slower (it waits on the
     replica's own start)."""
     return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
