@@ -109,14 +109,9 @@ def start(side: Side, model_dir: str, port: int, config: str) -> ServerProcess:
         f"http://127.0.0.1:{port}",
         str(Path(tempfile.gettempdir()) / f"serve_ab-{side.label}.log"),
         env=env,
+        cwd=str(side.tree),  # so that ``-m cluster.tools.cli`` is that tree's
     )
-    # Run from the side's tree, so that ``-m cluster.tools.cli`` is that tree's.
-    cwd = os.getcwd()
-    os.chdir(side.tree)
-    try:
-        return server.start(timeout_s=600)
-    finally:
-        os.chdir(cwd)
+    return server.start(timeout_s=600)
 
 
 def warm_up(url: str, model: str) -> None:

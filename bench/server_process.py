@@ -48,6 +48,8 @@ class ServerProcess:
     url: str
     log_path: str
     env: dict[str, str] = field(default_factory=dict)
+    #: Directory the command runs in (None: this process's).
+    cwd: str | None = None
     proc: subprocess.Popen | None = None
     seconds_to_health: float | None = None
 
@@ -56,7 +58,12 @@ class ServerProcess:
         log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            cwd=self.cwd,
+            start_new_session=True,
         )
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:

@@ -50,6 +50,5 @@ class InProcessBoard:
     """A ``PoolBoard`` in the process of the one replica that reports to it, behind a handle's call shape."""
 
     def __init__(self, board: PoolBoard):
-        self.board = board
         self.report = _AwaitableCall(board.report)
         self.snapshot = _AwaitableCall(board.snapshot)
