@@ -58,25 +58,25 @@ def _add_norm_row(x, residual, weight, eps, dst):  # pragma: no cover - compiled
         dst[i] = weight[i] * (x[i] * inv)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _norm_serial(x, weight, eps, out):  # pragma: no cover - compiled
     for r in range(x.shape[0]):
         _norm_row(x[r], weight, eps, out[r])
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _norm_parallel(x, weight, eps, out):  # pragma: no cover - compiled
     for r in numba.prange(x.shape[0]):
         _norm_row(x[r], weight, eps, out[r])
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _add_norm_serial(x, residual, weight, eps, out):  # pragma: no cover - compiled
     for r in range(x.shape[0]):
         _add_norm_row(x[r], residual[r], weight, eps, out[r])
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _add_norm_parallel(x, residual, weight, eps, out):  # pragma: no cover - compiled
     for r in numba.prange(x.shape[0]):
         _add_norm_row(x[r], residual[r], weight, eps, out[r])
@@ -99,14 +99,14 @@ def _rotary_row(row, rotated_heads, head_dim, cos, sin):  # pragma: no cover - c
             row[base + half + i] = x2 * cos[half + i] + x1 * sin[half + i]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _rotary_serial(qkv, positions, rotated_heads, head_dim, cos, sin):  # pragma: no cover - compiled
     for t in range(qkv.shape[0]):
         p = positions[t]
         _rotary_row(qkv[t], rotated_heads, head_dim, cos[p], sin[p])
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _rotary_parallel(qkv, positions, rotated_heads, head_dim, cos, sin):  # pragma: no cover - compiled
     for t in numba.prange(qkv.shape[0]):
         p = positions[t]

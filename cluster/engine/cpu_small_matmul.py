@@ -28,7 +28,7 @@ from cluster.engine.numba_launch import parallel_launch
 SMALL_MATMUL_ROWS = 8
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _matmul_rows(x, w, out, threads):  # pragma: no cover - compiled
     # out[m, j] = dot(x[m], w[j]). Each thread takes a contiguous range of output columns j, so it streams its
     # rows of w once; input rows go four at a time through the k loop, so one load of w[j, k] feeds four FMAs.

@@ -67,13 +67,13 @@ def _decode_one(s, query, k_cache, v_cache, block_tables, seq_lens, out):  # pra
     out[s] = acc_out
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _decode_parallel(query, k_cache, v_cache, block_tables, seq_lens, out):  # pragma: no cover - compiled
     for s in numba.prange(query.shape[0]):
         _decode_one(s, query, k_cache, v_cache, block_tables, seq_lens, out)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _decode_serial(query, k_cache, v_cache, block_tables, seq_lens, out):  # pragma: no cover - compiled
     for s in range(query.shape[0]):
         _decode_one(s, query, k_cache, v_cache, block_tables, seq_lens, out)
