@@ -101,12 +101,12 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache_layer[0], kv_cache_layer[1]
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        attn = backend.attend(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
 
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(self.o_proj(attn.reshape(-1, self.q_size)), residual, norm.weight, norm.eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        return self.down_proj(F.silu(gate).mul_(up)), residual  # in place: one [T, intermediate] tensor fewer
 
 
 class LlamaForCausalLM(nn.Module):

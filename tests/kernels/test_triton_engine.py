@@ -23,9 +23,9 @@ def _generate(path, backend, prompts):
     batches = []
     attend = engine.backend.attend
 
-    def spy(query, k_cache, v_cache, meta, scale):
+    def spy(query, k_cache, v_cache, meta, scale, **new_kv):
         batches.append((meta.num_decodes, meta.num_prefills))
-        return attend(query, k_cache, v_cache, meta, scale)
+        return attend(query, k_cache, v_cache, meta, scale, **new_kv)
 
     engine.backend.attend = spy
     tokens = [r["token_ids"] for r in engine.generate(prompts, PARAMS)]

@@ -78,6 +78,37 @@ def test_bucketed_sdpa_matches_reference(dtype, group):
     torch.testing.assert_close(got, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_prompts_computed_whole_attend_over_the_steps_own_kv(group):
+    """A lone prompt with nothing cached reads its K/V from the step's new rows, not from its blocks: with those
+    blocks zeroed afterwards, the output still equals the reference's over the intact caches. Every other
+    sequence (decodes, chunks after a prefix, tiny prompts sharing a call) still reads the caches."""
+    from cluster.engine.attention.sdpa import _plan
+
+    kv_heads, head_dim, block_size = 2, 32, 16
+    query_lens = [q for q, _ in RAGGED]
+    seq_lens = [t for _, t in RAGGED]
+    k_cache, v_cache, tables, g = paged_context(seq_lens, block_size, kv_heads, head_dim, torch.float32, seed=5)
+    query = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
+    starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    scale = head_dim**-0.5
+    ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, starts, torch.tensor(seq_lens), scale)
+    # The step's new rows, as the model has them: each sequence's last query_len positions.
+    positions = torch.cat([torch.arange(t - q, t) for q, t in zip(query_lens, seq_lens, strict=True)])
+    seq_of_row = torch.repeat_interleave(torch.arange(len(RAGGED)), torch.tensor(query_lens))
+    blocks = tables[seq_of_row, positions // block_size].long()
+    key, value = k_cache[blocks, positions % block_size], v_cache[blocks, positions % block_size]
+    overhead = 6e6 / (4 * kv_heads * group * head_dim)
+    lone = [c for c in _plan(tuple(query_lens), tuple(seq_lens), block_size, overhead, query.device) if c.is_causal]
+    assert lone  # (90, 90) runs alone; the short prompts share calls
+    for call in lone:
+        seq = int(call.seqs[0])
+        k_cache[tables[seq, : call.num_blocks].long()] = 0
+        v_cache[tables[seq, : call.num_blocks].long()] = 0
+    got = paged_attention_sdpa(query, k_cache, v_cache, tables, query_lens, seq_lens, scale, fresh_kv=(key, value))
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+
+
 def test_length_buckets_group_short_work_and_leave_long_prompts_alone():
     # Decodes whose contexts differ by less than a call's overhead share a call; a long decode
     # does not pad the others; each long prompt runs alone (causal); three tiny prompts share one.

@@ -62,9 +62,18 @@ class AttentionBackend(Protocol):
         [num_blocks, block_size, kv_heads, head_dim]."""
 
     def attend(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [num_tokens, num_heads, head_dim] -> output of the same shape. Does not modify the caches."""
+        """query [num_tokens, num_heads, head_dim] -> output of the same shape. Does not modify the caches.
+        key, value: this step's new rows [num_tokens, kv_heads, head_dim], already in the caches; a backend may
+        read them instead of the caches for a sequence whose whole context this step computes."""
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Compiles now what the first step would otherwise compile (called once when the engine

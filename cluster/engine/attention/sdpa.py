@@ -7,7 +7,11 @@ them to the longest multiplies the work on long-tailed batches; one call per seq
 ~80 us of call overhead per sequence and layer. So sequences are sorted by size and grouped
 while a group's padded work costs less than running its members apart (``length_buckets``):
 short decodes and short prompts share calls, a long prompt runs alone (and then causally,
-skipping the masked half). Each group is one SDPA call over K/V gathered block by block.
+skipping the masked half). Each group is one SDPA call over K/V gathered block by block, except
+a lone prompt with nothing cached: its whole context is this step's own K/V, which the caller can
+pass (``fresh_kv``), so it attends over those rows where they lie, with no gather of its blocks
+and no index/scatter of its query and output rows (``python -m bench.compare_engines`` times such
+prompts in its ``--mixed`` rows).
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ class _SDPACall:
     valid: torch.Tensor
     mask: torch.Tensor | None
     is_causal: bool
+    #: Index of the first query row of the call's first sequence in the step's flat batch.
+    first_row: int
 
 
 @functools.lru_cache(maxsize=4)
@@ -142,6 +148,7 @@ def _plan(
                 valid=valid,
                 mask=None if plain else _causal_mask(q_lens, t_lens, max_q, max_t, device),
                 is_causal=plain and max_q > 1,
+                first_row=starts[bucket[0]],
             )
         )
     return tuple(calls)
@@ -156,6 +163,7 @@ def paged_attention_sdpa(
     seq_lens: tuple[int, ...] | list[int],
     scale: float,
     buffer: GatherBuffer | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Ragged causal attention over the paged cache, for decodes and prefill chunks alike.
 
@@ -163,6 +171,8 @@ def paged_attention_sdpa(
     and in order; they are the last positions of its ``seq_lens[i]`` context, whose K/V (this
     step's included) are already in the caches [num_blocks, block_size, kv_heads, head_dim].
     block_tables: [num_seqs, max_blocks] int32. Returns the shape of ``query``.
+    ``fresh_kv``: this step's new (key, value) rows [num_tokens, kv_heads, head_dim], in ``query``'s order (the
+    ones just written to the caches); given, a prompt computed whole in this step reads its K/V from them.
     Does not modify the caches.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -172,6 +182,12 @@ def paged_attention_sdpa(
     overhead_pairs = CALL_OVERHEAD_FLOPS / (4 * num_heads * head_dim)  # QK^T and PV, a multiply-add each
     out = torch.empty_like(query)
     for call in _plan(tuple(query_lens), tuple(seq_lens), block_size, overhead_pairs, query.device):
+        if call.is_causal and fresh_kv is not None:  # a lone prompt with nothing cached: rows [a, b) are all of it
+            a, b = call.first_row, call.first_row + call.max_q
+            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, *fresh_kv))  # [1, heads, T, D] views
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            out[a:b] = o[0].transpose(0, 1)
+            continue
         k, v = _gather_kv(k_cache, v_cache, block_tables[call.seqs], call.num_blocks, buffer)
         k, v = k[:, :, : call.max_t], v[:, :, : call.max_t]  # [B, Hkv, T, D]
         q = query[call.rows].transpose(1, 2)  # [B, H, Q, D]

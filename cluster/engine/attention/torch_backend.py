@@ -79,13 +79,25 @@ class TorchAttentionBackend:
             self._decode_kernel_ok = not why_not
         return self._decode_kernel_ok
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, key=None, value=None
+    ) -> torch.Tensor:
+        # The new rows stand in for the cache only where they hold the same values (a cache of another dtype rounds).
+        fresh = (key, value) if key is not None and value is not None and key.dtype == k_cache.dtype else None
         query_lens = meta.query_lens_list or tuple((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
         seq_lens = meta.seq_lens_list or tuple(meta.seq_lens.tolist())
         nd = meta.num_decodes if self._uses_decode_kernel(query, k_cache) else 0
         if nd == 0:
             return paged_attention_sdpa(
-                query, k_cache, v_cache, meta.block_tables, query_lens, seq_lens, scale, buffer=self._gather_buffer
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                query_lens,
+                seq_lens,
+                scale,
+                buffer=self._gather_buffer,
+                fresh_kv=fresh,
             )
         out = torch.empty_like(query)
         out[:nd] = _cpu_decode.paged_decode_attention_cpu(
@@ -101,5 +113,6 @@ class TorchAttentionBackend:
                 seq_lens[nd:],
                 scale,
                 buffer=self._gather_buffer,
+                fresh_kv=None if fresh is None else (fresh[0][nd:], fresh[1][nd:]),
             )
         return out

@@ -26,7 +26,10 @@ class TritonAttentionBackend:
     def warm_up(self, k_cache, v_cache) -> None:
         """Nothing ahead of time: Triton compiles each kernel variant at its first launch."""
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, key=None, value=None
+    ) -> torch.Tensor:
+        # key/value (this step's new rows) go unused: the kernels read every sequence's context from the caches.
         # query: [num_tokens, num_heads, head_dim] -> out: same shape; does not modify the caches
         out = torch.empty_like(query)
         nd = meta.num_decodes
