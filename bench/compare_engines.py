@@ -1,6 +1,7 @@
 """shapeserve's engine against vLLM's, in process, without any server: where a serving gap comes from.
 
     .venv/bin/python -m bench.compare_engines [--vllm-python ~/.cache/shapeserve-bench/vllm-venv/bin/python]
+        [--baseline-rev REV] [--without-vllm]
         [--batches 1,8,16,64] [--mixed 16x256,16x1024] [--rate 2] [--seed 1002] [--repeats 2]
 
 ``bench/compare_vllm.sh`` compares the two servers end to end; this compares their engines alone, each
@@ -14,7 +15,9 @@ the tuned environment of ../shared/notes/vllm-cpu.md), on the bench model in flo
 
 Each engine runs in a process of its own (the vLLM one in the vLLM virtualenv that compare_vllm.sh builds),
 one after the other with ``--rest-s`` idle between, the order reversed every other repeat. Prints both
-sides and the shapeserve / vLLM ratios, min / median / max over the repeats. The server comparison's
+sides and the shapeserve / vLLM ratios, min / median / max over the repeats. ``--baseline-rev`` adds a third
+side, the shapeserve engine of a git revision (so an engine change is measured against its parent in the
+same run), and ``--without-vllm`` leaves vLLM out (ratios are then to the revision). The server comparison's
 figures minus these are what the serving path (HTTP, streaming, the server's other processes) costs
 each server.
 """
@@ -248,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         help="idle seconds before each run after the first (this VM runs slower right after vLLM's runs: the "
         "shapeserve engine's TPOT at 2 req/s read 24.5 ms right after one and 21.6 ms after a rest)",
     )
+    ap.add_argument(
+        "--baseline-rev",
+        help="also run the shapeserve engine of this git revision (a worktree, as bench.serve_ab makes), in the same "
+        "alternating order, and print each side's ratio to it",
+    )
+    ap.add_argument("--without-vllm", action="store_true", help="only shapeserve here against --baseline-rev")
     ap.add_argument("--worker", choices=["vllm", "shapeserve"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -257,35 +266,54 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (MODEL_DIR / "config.json").is_file():
         raise SystemExit(f"no model at {MODEL_DIR}: run bench/compare_vllm.sh (or python -m bench.engine_throughput)")
-    pythons = {"shapeserve": sys.executable, "vllm": args.vllm_python}
-    envs = {"shapeserve": dict(os.environ), "vllm": _vllm_env(args.vllm_python)}
-    results: dict[str, list[dict]] = {"vllm": [], "shapeserve": []}
+    sides = ([] if args.without_vllm else ["vllm"]) + ["shapeserve"] + (["baseline"] if args.baseline_rev else [])
+    if len(sides) < 2:
+        raise SystemExit("nothing to compare: --without-vllm needs --baseline-rev")
+    here = Path(__file__).resolve()
+    commands = {
+        # As a module from the repository root: run as a script, bench/ would come first on sys.path and its
+        # kernels.py would shadow the `kernels` package vLLM imports.
+        "vllm": ([args.vllm_python, "-m", "bench.compare_engines"], REPO, _vllm_env(args.vllm_python)),
+        "shapeserve": ([sys.executable, "-m", "bench.compare_engines"], REPO, dict(os.environ)),
+    }
+    labels = {"vllm": "vLLM", "shapeserve": "shapeserve"}
+    if args.baseline_rev:
+        # This file's worker over the revision's engine: the revision's tree comes first on sys.path, so `cluster`
+        # and `bench.engine_throughput` are its own (this worker may measure what the revision's did not).
+        from bench.serve_ab import source_tree
+
+        tree = source_tree(args.baseline_rev)
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        commands["baseline"] = ([sys.executable, str(here)], tree, env)
+        labels["baseline"] = f"shapeserve@{args.baseline_rev}"[:24]
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    runs = 0
     for repeat in range(args.repeats):
-        order = ["vllm", "shapeserve"] if repeat % 2 == 0 else ["shapeserve", "vllm"]
-        for side in order:
-            # As a module from the repository root: run as a script, bench/ would come first on sys.path and its
-            # kernels.py would shadow the `kernels` package vLLM imports.
-            cmd = [pythons[side], "-m", "bench.compare_engines", "--worker", side, "--batches", args.batches]
-            cmd += ["--mixed", args.mixed]
-            cmd += ["--rate", str(args.rate), "--seed", str(args.seed)]
-            proc = subprocess.run(cmd, cwd=REPO, env=envs[side], capture_output=True, text=True)
+        for side in sides if repeat % 2 == 0 else sides[::-1]:
+            if runs:
+                time.sleep(args.rest_s)
+            runs += 1
+            prefix, cwd, env = commands[side]
+            cmd = [*prefix, "--worker", "vllm" if side == "vllm" else "shapeserve", "--batches", args.batches]
+            cmd += ["--mixed", args.mixed, "--rate", str(args.rate), "--seed", str(args.seed)]
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 sys.stderr.write(proc.stderr[-3000:])
-                raise SystemExit(f"the {side} engine run failed (exit {proc.returncode})")
+                raise SystemExit(f"the {labels[side]} engine run failed (exit {proc.returncode})")
             results[side].append(json.loads(line.removeprefix("RESULT ")))
-            print(f"  repeat {repeat + 1}/{args.repeats}: {side} done", file=sys.stderr, flush=True)
-    print(f"{args.repeats} repeats, orders alternating; min / median / max; ratio of the medians")
-    print(f"{'':<30} {'vLLM':>24} {'shapeserve':>24} {'ss/vLLM':>8}")
-    for key in results["vllm"][0]:
-        cells = []
-        for side in ("vllm", "shapeserve"):
-            v = [r[key] for r in results[side]]
-            cells.append(f"{min(v):7.1f} {statistics.median(v):7.1f} {max(v):7.1f}")
-        ratio = statistics.median(r[key] for r in results["shapeserve"]) / statistics.median(
-            r[key] for r in results["vllm"]
-        )
-        print(f"{key:<30} {cells[0]:>24} {cells[1]:>24} {ratio:7.2f}x")
+            print(f"  repeat {repeat + 1}/{args.repeats}: {labels[side]} done", file=sys.stderr, flush=True)
+    print(f"{args.repeats} repeats, orders alternating; min / median / max; ratios of the medians")
+    base = sides[0] if sides[0] == "vllm" else "baseline"
+    ratio_sides = [s for s in sides if s != base]
+    ratio_names = [f"{s[:5]}/{base[:5]}" for s in ratio_sides]
+    print(f"{'':<34}" + "".join(f" {labels[s]:>24}" for s in sides) + "".join(f" {n:>12}" for n in ratio_names))
+    for key in results[sides[0]][0]:
+        values = {s: [r[key] for r in results[s]] for s in sides}
+        med = {s: statistics.median(v) for s, v in values.items()}
+        cells = "".join(f" {min(v):7.1f} {med[s]:7.1f} {max(v):7.1f}" for s, v in values.items())
+        ratios = "".join(f" {med[s] / med[base]:11.2f}x" for s in ratio_sides)
+        print(f"{key:<34}{cells}{ratios}")
     return 0
 
 
