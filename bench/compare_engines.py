@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.tools.workloads import load_workload  # stdlib only: the vLLM virtualenv imports it too
+from cluster.tools.workloads import load_workload, workload_path  # stdlib only: the vLLM virtualenv imports it too
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,6 +43,8 @@ VOCAB_SIZE = 32000
 CONTEXT = 256
 DECODE_STEPS = 20
 MIXED_PROMPTS = 8
+#: The workload's name, or the file a worker is given (a revision's worktree has no ../shared beside it).
+WORKLOAD = "skewed-64"
 
 
 class _Driver:
@@ -76,7 +78,7 @@ class _ShapeserveDriver(_Driver):
             num_blocks = 4096
             max_num_batched_tokens = 2048
 
-        _, warm = load_workload("skewed-64", VOCAB_SIZE, num_requests=2)
+        _, warm = load_workload(WORKLOAD, VOCAB_SIZE, num_requests=2)
         self.greedy = greedy
         self.engine = make_engine(MODEL_DIR, Args, warm)
         self.counts: dict[str, int] = {}
@@ -169,7 +171,7 @@ def mixed_step_ms(driver: _Driver, batch: int, prompt_len: int, rng: random.Rand
 
 
 def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
-    _, requests = load_workload("skewed-64", VOCAB_SIZE, rate_per_s=rate, seed=seed)
+    _, requests = load_workload(WORKLOAD, VOCAB_SIZE, rate_per_s=rate, seed=seed)
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     produced: dict[str, int] = {}
@@ -258,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--without-vllm", action="store_true", help="only shapeserve here against --baseline-rev")
     ap.add_argument("--worker", choices=["vllm", "shapeserve"], help=argparse.SUPPRESS)
+    ap.add_argument("--workload-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
     if args.worker:
+        global WORKLOAD
+        WORKLOAD = args.workload_file or WORKLOAD
         print("RESULT " + json.dumps(worker(args.worker, batches, mixed, args.rate, args.seed)), flush=True)
         return 0
     if not (MODEL_DIR / "config.json").is_file():
@@ -296,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix, cwd, env = commands[side]
             cmd = [*prefix, "--worker", "vllm" if side == "vllm" else "shapeserve", "--batches", args.batches]
             cmd += ["--mixed", args.mixed, "--rate", str(args.rate), "--seed", str(args.seed)]
+            cmd += ["--workload-file", str(workload_path(WORKLOAD))]
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:
