@@ -93,7 +93,9 @@ class _Consumer:
 def run_stream(engine, workload: str, rate: float, seed: int, after_step: Callable[[int], None]) -> dict[str, float]:
     """``workload`` at ``rate`` through ``engine``, each request added once its arrival time has passed;
     ``after_step(tokens)`` after every step. Returns the engine's mean step wall time, mean TPOT, median TTFT
-    and mean batch (requests given a token per step)."""
+    and mean batch (requests given a token per step). A loop of its own rather than
+    ``bench.compare_engines.poisson_run``: run against an older revision's tree, this file imports that tree's
+    modules, whose driver loop may differ."""
     from bench.engine_throughput import BENCH_SPEC, greedy
     from cluster.tools.workloads import load_workload
 
