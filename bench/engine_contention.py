@@ -2,8 +2,9 @@
 
     python -m bench.engine_contention [--workload skewed-64] [--rate 2] [--work-us 250] [--repeats 3]
 
-(Against an older engine: ``PYTHONPATH=<a worktree of it> python bench/engine_contention.py --workload
-../shared/workloads/skewed-64.json``; the worktree's own imports come first.)
+(Against an older engine, from the repository root: ``PYTHONPATH=<a worktree of it> .venv/bin/python
+bench/engine_contention.py --workload ../shared/workloads/skewed-64.json``; the worktree's own imports come
+first, and its tree has no ../shared beside it, hence the workload's path.)
 
 A decode replica runs the engine on a thread and streams its outputs from the event loop of the same
 process: both need the GIL, and on a small machine both need the cores the engine's OpenMP threads
