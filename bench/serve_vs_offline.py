@@ -2,15 +2,18 @@
 
     python -m bench.serve_vs_offline [--workload skewed-64] [--rates inf] [--repeats 3]
 
-For each repeat (a different workload seed: the same shapes, prompts no cache has seen):
+For each repeat (a different workload seed: the same shapes, prompts no cache has seen) and each ``--rates``
+value (``inf``: all at once; else Poisson arrivals at that rate):
   1. the offline engine (``LLMEngine`` in a fresh process, same model, same engine settings as the
-     server's decode replica, same torch threads) runs the workload's requests all at once;
-  2. ``shapeserve serve`` (started once, its own local Ray) gets the same requests over HTTP from
-     ``shapeserve bench``'s client, at each ``--rates`` value (``inf``: all at once).
-Prints output tokens/s of both and their ratio (min / median / max over the repeats), latency
-percentiles, the server's CPU seconds per output token by process, and the CPU it spends outside
-the model step: (server CPU - offline engine CPU for the same tokens) / output tokens. Also the
-server's time to /health and its process tree's PSS. The client runs on the same machine.
+     server's decode replica, same torch threads) gets the requests at their arrival times;
+  2. ``shapeserve serve`` (started once, its own local Ray) gets the same requests at the same times over
+     HTTP from ``shapeserve bench``'s client.
+Prints output tokens/s of both and their ratio (min / median / max over the repeats); at a finite rate, both
+sides' mean TPOT and median TTFT and their ratios (what serving adds to a request's latency); both engines'
+step counts and mean step times (more steps for the same tokens: smaller batches; dearer steps: the rest of
+the server slows the step); the server's latency percentiles, its CPU seconds per output token by process,
+and the CPU it spends outside the model step: (server CPU - offline engine CPU for the same tokens) / output
+tokens. Also the server's time to /health and its process tree's PSS. The client runs on the same machine.
 
 The server runs with SLO admission off (``admission.admit_within_slo: false``, a config file written for the
 run) unless ``--slo-admission``: the offline engine queues every request, and once the server has measured its
@@ -32,36 +35,91 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from bench.engine_throughput import BENCH_SPEC
 from bench.server_process import ServerProcess, cpu_delta, machine_line
+from cluster.serving.config import ServeConfig
 from cluster.tools.demo_model import ensure_demo_model
 from cluster.tools.loadgen import report, run_load
 from cluster.tools.workloads import load_workload
 
 
-def offline_once(model_dir: str, workload: str, seed: int, threads: int) -> dict:
-    """In a fresh process: the engine as the server's decode replica builds it, the workload at once."""
-    code = f"""
-import json, time, torch
-from cluster.serving.config import ServeConfig
-from cluster.engine.llm_engine import LLMEngine
-from cluster.config import SamplingParams
-from cluster.tools.workloads import load_workload
-engine = LLMEngine(ServeConfig().engine_config("decode", {model_dir!r}, {threads}))
-_, reqs = load_workload({workload!r}, {BENCH_SPEC.vocab_size}, seed={seed})
-warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-engine.generate([list(reqs[0].prompt_token_ids[:64])], warm)  # first-step costs, as the server's warm-up
-cpu0, t0 = time.process_time(), time.perf_counter()
-for r in reqs:
-    params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request(str(r.index), list(r.prompt_token_ids), params)
-tokens = 0
-while engine.has_unfinished_requests():
-    tokens += sum(len(o.new_token_ids) for o in engine.step())
-print(json.dumps({{"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "tokens": tokens}}))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+def offline_once(model_dir: str, workload: str, seed: int, threads: int, rate: float) -> dict:
+    """In a fresh process: the engine as the server's decode replica builds it, fed the requests the server
+    gets at ``rate`` (the same prompts and arrival times; ``inf``: all at once)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.serve_vs_offline",
+            "--offline-worker",
+            json.dumps([model_dir, workload, seed, threads, rate]),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _offline_worker(model_dir: str, workload: str, seed: int, threads: int, rate: float) -> dict:
+    from cluster.config import SamplingParams
+    from cluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(ServeConfig().engine_config("decode", model_dir, threads))
+    _, reqs = load_workload(workload, BENCH_SPEC.vocab_size, rate_per_s=rate, seed=seed)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate([list(reqs[0].prompt_token_ids[:64])], warm)  # first-step costs, as the server's warm-up
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    produced: dict[str, int] = {}
+    steps, step_s, seqs = 0, 0.0, 0
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    i = 0
+    while i < len(reqs) or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while i < len(reqs) and reqs[i].arrival_s <= now:
+            r = reqs[i]
+            params = SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(str(r.index), list(r.prompt_token_ids), params)
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, reqs[i].arrival_s - now))
+            continue
+        s0 = time.perf_counter()
+        outputs = engine.step()
+        t = time.perf_counter()
+        steps, step_s, seqs = steps + 1, step_s + t - s0, seqs + len(engine.scheduler.running)
+        for o in outputs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, t - t0)
+                last[o.request_id] = t - t0
+                produced[o.request_id] = produced.get(o.request_id, 0) + len(o.new_token_ids)
+    seconds = time.perf_counter() - t0
+    tpot = [(last[r] - first[r]) / (produced[r] - 1) for r in first if produced[r] > 1]
+    ttft = [first[str(r.index)] - r.arrival_s for r in reqs]
+    return {
+        "seconds": seconds,
+        "cpu_s": time.process_time() - cpu0,
+        "tokens": sum(produced.values()),
+        "steps": steps,
+        "step_s": step_s,
+        "mean_tpot_s": statistics.mean(tpot),
+        "median_ttft_s": statistics.median(ttft),
+    }
+
+
+def engine_counters(url: str) -> tuple[float, float]:
+    """(steps, wall seconds in steps) of the server's engines so far, from its /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    steps = seconds = 0.0
+    for line in text.splitlines():
+        if line.startswith("shapeserve_engine_steps_total{"):
+            steps += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("shapeserve_engine_step_seconds_total{"):
+            seconds += float(line.rsplit(" ", 1)[1])
+    return steps, seconds
 
 
 def _no_slo_admission_config() -> str:
@@ -91,7 +149,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--slo-admission", action="store_true", help="keep the server's SLO admission (default: off, see above)"
     )
+    ap.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)  # offline_once's process
     args = ap.parse_args(argv)
+    if args.offline_worker:
+        print(json.dumps(_offline_worker(*json.loads(args.offline_worker))))
+        return
 
     model_dir = str(ensure_demo_model(args.model_dir, BENCH_SPEC))
     rates = [float(r) for r in args.rates.split(",")]
@@ -118,29 +180,34 @@ def main(argv=None) -> None:
     ).start()
     # Each repeat runs the offline engine, then the server at every rate, back to back on one seed: a
     # shared machine's speed drifts, and the ratios compare runs that saw the same conditions.
-    offline: list[dict] = []
     results: dict = {
-        "offline": offline,
+        "offline": {str(r): [] for r in rates},
         "online": {str(r): [] for r in rates},
         "seconds_to_health": server.seconds_to_health,
     }
     try:
         for seed in seeds:
-            offline.append(offline_once(model_dir, args.workload, seed, args.threads))
             for k, rate in enumerate(rates):
-                # The first rate runs the offline engine's prompts; later ones get prompts of their own, which
-                # the server's prefix cache has not seen.
+                # Each rate gets prompts of its own, which the server's prefix cache has not seen; the offline
+                # engine gets the same prompts at the same arrival times, in a fresh process.
+                offline = offline_once(model_dir, args.workload, seed + 100 * k, args.threads, rate)
+                results["offline"][str(rate)].append(offline)
                 _, requests = load_workload(args.workload, BENCH_SPEC.vocab_size, rate_per_s=rate, seed=seed + 100 * k)
+                steps0 = engine_counters(server.url)
                 before, client0 = server.cpu_seconds(), time.process_time()
                 records, duration = asyncio.run(
                     run_load(f"{server.url}/v1", Path(model_dir).name, requests, 600, False)
                 )
                 cpu = cpu_delta(before, server.cpu_seconds())
+                time.sleep(2.5 * ServeConfig().routing_stats_period_s)  # the replica's last stats reach the board
+                steps1 = engine_counters(server.url)
                 results["online"][str(rate)].append(
                     {
                         "report": report(records, duration, spec)["all"],
                         "cpu_s": cpu,
                         "client_cpu_s": time.process_time() - client0,
+                        "steps": steps1[0] - steps0[0],
+                        "step_s": steps1[1] - steps0[1],
                     }
                 )
         results["pss_mb"] = server.pss_mb()
@@ -148,22 +215,37 @@ def main(argv=None) -> None:
         server.stop()
 
     print(f"\nworkload {args.workload}, {args.repeats} repeats (seeds {seeds}); model {Path(model_dir).name} float32")
-    off_tps = [o["tokens"] / o["seconds"] for o in offline]
     print(f"\n{'':42} {'min':>8} {'median':>8} {'max':>8}")
-    print(row("offline engine, output tok/s", off_tps))
     for rate, runs in results["online"].items():
+        offline = results["offline"][rate]
+        off_tps = [o["tokens"] / o["seconds"] for o in offline]
         tps = [r["report"]["output_throughput"] for r in runs]
-        # The offline engine runs the burst: only the burst's server run does the same steps, so only it is
-        # compared with it (paced arrivals make smaller batches, which cost the engine more per token).
-        burst = math.isinf(float(rate))
-        print(row(f"server rate={rate}, output tok/s", tps))
-        if burst:
-            print(row("  ratio to offline (same seed)", [t / o for t, o in zip(tps, off_tps, strict=True)], 2))
+        print(f"rate={rate}")
+        print(row("  offline engine, output tok/s", off_tps))
+        print(row("  server, output tok/s", tps))
+        print(row("  server / offline (same requests)", [t / o for t, o in zip(tps, off_tps, strict=True)], 2))
         print(row("  requests refused (429)", [r["report"]["rejected_429"] for r in runs], 0))
+        if not math.isinf(float(rate)):
+            # The same arrival times on both sides: the difference is what serving costs a request.
+            for label, key, served_key in (
+                ("mean TPOT", "mean_tpot_s", ("tpot_s", "mean")),
+                ("median TTFT", "median_ttft_s", ("ttft_s", "p50")),
+            ):
+                off = [o[key] * 1000 for o in offline]
+                served = [r["report"][served_key[0]][served_key[1]] * 1000 for r in runs]
+                print(row(f"  offline engine {label}, ms", off))
+                print(row(f"  server {label}, ms", served))
+                print(row("  server / offline", [s_ / o for s_, o in zip(served, off, strict=True)], 2))
+        # More steps for the same tokens: smaller batches; dearer steps at the same count: the step itself is
+        # slowed (CPU taken by the rest of the server, the GIL, memory not yet touched).
+        print(row("  offline engine steps", [o["steps"] for o in offline], 0))
+        print(row("  server engine steps", [r["steps"] for r in runs], 0))
+        print(row("  offline engine mean step, ms", [o["step_s"] / o["steps"] * 1000 for o in offline], 2))
+        print(row("  server engine mean step, ms", [r["step_s"] / max(r["steps"], 1) * 1000 for r in runs], 2))
         for metric in ("ttft_s", "tpot_s", "itl_s"):
             for pct in ("mean", "p50", "p99"):
                 vals = [r["report"][metric][pct] * 1000 for r in runs]
-                print(row(f"  {metric[:-2]} {pct}, ms", vals))
+                print(row(f"  server {metric[:-2]} {pct}, ms", vals))
         tokens = [r["report"]["output_tokens"] for r in runs]
         groups = sorted({g for r in runs for g in r["cpu_s"]}, key=lambda g: -runs[0]["cpu_s"].get(g, 0.0))
         print("  server CPU per output token, ms, by process:")
@@ -172,12 +254,11 @@ def main(argv=None) -> None:
             print(row(f"    {g}", vals, 3))
         client = [r["client_cpu_s"] / t * 1000 for r, t in zip(runs, tokens, strict=True)]
         print(row("  client (load generator) CPU, ms/token", client, 3))
-        if burst:
-            outside = [
-                (sum(r["cpu_s"].values()) - o["cpu_s"] * t / o["tokens"]) / t * 1000
-                for r, o, t in zip(runs, offline, tokens, strict=True)
-            ]
-            print(row("  CPU outside the model step, ms/token", outside, 3))
+        outside = [
+            (sum(r["cpu_s"].values()) - o["cpu_s"] * t / o["tokens"]) / t * 1000
+            for r, o, t in zip(runs, offline, tokens, strict=True)
+        ]
+        print(row("  CPU outside the model step, ms/token", outside, 3))
     print(
         f"\ntime to /health: {server.seconds_to_health:.1f} s; server PSS: {sum(results['pss_mb'].values()):.0f} MB "
         + ", ".join(f"{g} {mb:.0f}" for g, mb in sorted(results["pss_mb"].items(), key=lambda kv: -kv[1]))
