@@ -65,17 +65,16 @@ class DecodeWorker:
         num_threads: int | None = None,
         kv_host: str | None = None,
     ) -> DecodeWorker:
-        """Loads the engine (on a thread, so the replica's event loop stays responsive) and, with a prefill
+        """Loads the engine (on its own thread, so the replica's event loop stays responsive) and, with a prefill
         pool, starts the KV receiver on ``kv_host``."""
-        llm = await asyncio.to_thread(LLMEngine, config.engine_config("decode", model_dir, num_threads))
-        engine = AsyncEngine(llm)
-        engine.start(asyncio.get_running_loop())
+        engine_config = config.engine_config("decode", model_dir, num_threads)
+        engine = await AsyncEngine.launch(lambda: LLMEngine(engine_config))  # built on its own thread: see launch
         receiver = None
         if prefill is not None:
             host = config.kv_transfer_host or kv_host
             if host is None:
                 raise RuntimeError("the decode replica needs an address for its KV receiver (kv_transfer_host)")
-            receiver = KVReceiver(PagedKV(llm.kv_cache), transfer_config(config, host))
+            receiver = KVReceiver(PagedKV(engine.engine.kv_cache), transfer_config(config, host))
             await asyncio.to_thread(receiver.start)
         worker = cls(config, engine, prefill, receiver, replica_id)
         if board is not None:

@@ -58,9 +58,8 @@ class PrefillWorker:
     async def start(
         cls, config: ServeConfig, model_dir: str, board=None, replica_id: str = "local", num_threads: int | None = None
     ) -> PrefillWorker:
-        llm = await asyncio.to_thread(LLMEngine, config.engine_config("prefill", model_dir, num_threads))
-        engine = AsyncEngine(llm)
-        engine.start(asyncio.get_running_loop())
+        engine_config = config.engine_config("prefill", model_dir, num_threads)
+        engine = await AsyncEngine.launch(lambda: LLMEngine(engine_config))  # built on its own thread: see launch
         worker = cls(config, engine, replica_id)
         if board is not None:
             worker.reporter = ReplicaReporter.start(engine, board, worker.stats, config.routing_stats_period_s)

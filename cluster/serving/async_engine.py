@@ -2,6 +2,7 @@
 
 The engine is single-threaded, so every engine call goes through ``call(fn)``: the function
 is queued and runs on the engine thread between two steps (no locks around the engine).
+A replica builds its engine with ``launch``, on that same thread: see ``launch`` for why.
 A step's outputs cross to the event loop in ONE ``call_soon_threadsafe`` per step, whatever the
 number of requests in it; on the loop they are sorted into per-request ``OutputStream`` queues.
 The streams belong to the event loop alone (opened, fed and closed there). Runs without Ray.
@@ -86,7 +87,38 @@ class AsyncEngine:
         self.step_cpu_seconds = 0.0
         self.geometry = BatchGeometry()
 
+    @classmethod
+    async def launch(cls, build: Callable[[], LLMEngine]) -> AsyncEngine:
+        """Builds the engine with ``build()`` on a new thread and runs its step loop on that same thread.
+
+        Every thread that runs a parallel torch op gets an OpenMP thread team of its own, and the team's
+        workers stay for the thread's life. Once a process has more such workers than CPUs, libgomp stops
+        letting them spin between parallel regions: each of the hundreds of regions in a step waits for its
+        workers to be woken again. An engine built on one thread (weights loaded, kernels warmed up there)
+        and stepped on another had made every served step about 1.3x dearer on a 2-core node than the same
+        engine offline (``python -m bench.serve_vs_offline --rates 2``). Built here, the engine's thread is
+        the only one of the process that computes."""
+        loop = asyncio.get_running_loop()
+        ready: Future[AsyncEngine] = Future()
+
+        def engine_thread() -> None:
+            _name_os_thread("engine-loop")  # before the first parallel region: its workers inherit the name
+            try:
+                engine = cls(build())
+            except BaseException as e:  # handed to the awaiting caller  # noqa: BLE001
+                ready.set_exception(e)
+                return
+            engine.loop, engine._thread = loop, threading.current_thread()
+            ready.set_result(engine)
+            engine._run()
+
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: the engine shares its process with a server
+        threading.Thread(target=engine_thread, name="engine-loop", daemon=True).start()
+        return await asyncio.wrap_future(ready)
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the step loop of an engine built elsewhere (tests, tools) on a new thread; a serving replica
+        uses ``launch``."""
         self.loop = loop
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: the engine shares its process with a server
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)

@@ -3,6 +3,7 @@ and one hand-over to the event loop per engine step."""
 
 import asyncio
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,35 @@ def test_engine_thread_is_named_in_the_os(demo_model):
             ae.shutdown()
 
     assert asyncio.run(main()) == "engine-loop"
+
+
+def test_launch_builds_the_engine_on_the_thread_that_steps_it(demo_model):
+    """A replica's engine is built (weights, warm-up) on the thread that then runs its steps and calls: a
+    second thread doing torch work would get an OpenMP team of its own (see ``AsyncEngine.launch``)."""
+    threads = {}
+
+    def build() -> LLMEngine:
+        threads["build"] = threading.get_ident()
+        return make_engine(demo_model)
+
+    async def main():
+        ae = await AsyncEngine.launch(build)
+        try:
+            stream = await ae.add_request("r", [5, 6, 7, 8], GREEDY)
+            ids = await drain(stream)
+            threads["call"] = await ae.call(lambda e: threading.get_ident())
+            return ids
+        finally:
+            ae.shutdown()
+
+    ids = asyncio.run(main())
+    assert threads["build"] == threads["call"] != threading.get_ident()
+    assert ids == make_engine(demo_model).generate([[5, 6, 7, 8]], GREEDY)[0]["token_ids"]
+
+
+def test_launch_raises_what_the_build_raised(tmp_path):
+    async def main():
+        return await AsyncEngine.launch(lambda: LLMEngine(EngineConfig(model=str(tmp_path / "no-such-model"))))
+
+    with pytest.raises(Exception, match="no-such-model"):
+        asyncio.run(main())
