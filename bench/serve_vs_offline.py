@@ -74,7 +74,7 @@ def _offline_worker(model_dir: str, workload: str, seed: int, threads: int, rate
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     produced: dict[str, int] = {}
-    steps, step_s, seqs = 0, 0.0, 0
+    steps, step_s = 0, 0.0
     cpu0, t0 = time.process_time(), time.perf_counter()
     i = 0
     while i < len(reqs) or engine.has_unfinished_requests():
@@ -90,7 +90,7 @@ def _offline_worker(model_dir: str, workload: str, seed: int, threads: int, rate
         s0 = time.perf_counter()
         outputs = engine.step()
         t = time.perf_counter()
-        steps, step_s, seqs = steps + 1, step_s + t - s0, seqs + len(engine.scheduler.running)
+        steps, step_s = steps + 1, step_s + t - s0
         for o in outputs:
             if o.new_token_ids:
                 first.setdefault(o.request_id, t - t0)

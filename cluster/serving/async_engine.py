@@ -116,14 +116,6 @@ class AsyncEngine:
         threading.Thread(target=engine_thread, name="engine-loop", daemon=True).start()
         return await asyncio.wrap_future(ready)
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Runs the step loop of an engine built elsewhere (tests, tools) on a new thread; a serving replica
-        uses ``launch``."""
-        self.loop = loop
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: the engine shares its process with a server
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
-
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(lambda: None)

@@ -82,8 +82,7 @@ def test_async_engine_survives_a_step_failure_it_cannot_pin_on_one_request(engin
     event, and the loop goes on serving new ones."""
 
     async def main():
-        ae = AsyncEngine(engine)
-        ae.start(asyncio.get_running_loop())
+        ae = await AsyncEngine.launch(lambda: engine)
         try:
             schedule = engine.scheduler.schedule
             calls = {"n": 0}
