@@ -2,7 +2,8 @@
 
     .venv/bin/python -m bench.compare_engines [--vllm-python ~/.cache/shapeserve-bench/vllm-venv/bin/python]
         [--baseline-rev REV] [--without-vllm]
-        [--batches 1,8,16,64] [--mixed 16x256,16x1024] [--rate 2] [--seed 1002] [--repeats 2]
+        [--batches 1,8,16,64] [--mixed 16x256,16x1024] [--prefill-parts 256,1024] [--rate 2] [--seed 1002]
+        [--repeats 2]
 
 ``bench/compare_vllm.sh`` compares the two servers end to end; this compares their engines alone, each
 driven by a loop calling its ``step()`` (vLLM: ``LLMEngine`` in process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -10,6 +11,11 @@ the tuned environment of ../shared/notes/vllm-cpu.md), on the bench model in flo
 
 - decode step time at each batch size (every sequence 256 tokens in), median of 20 steps;
 - the step that prefills a new prompt beside running decodes (``--mixed``), median over 8 prompts;
+- what a lone prompt's prefill step is made of (``--prefill-parts``): its wall time (median over 8 prompts),
+  and, from ``torch.profiler`` over 4 more, the milliseconds per step inside the matmul ops (shapeserve's
+  oneDNN linear, vLLM's ``onednn_mm``), inside the attention ops (torch's SDPA; vLLM's own CPU attention
+  kernel) and the rest of the profiled step's wall time (norms, rotary, activation, KV writes, sampling,
+  Python: shapeserve's numba kernels are no torch ops, so they land there);
 - skewed-64 with Poisson arrivals at ``--rate`` (the same requests ``shapeserve bench`` sends for that seed),
   each request added when its arrival time has passed: mean TPOT, median TTFT, output tokens/s.
 
@@ -43,6 +49,10 @@ VOCAB_SIZE = 32000
 CONTEXT = 256
 DECODE_STEPS = 20
 MIXED_PROMPTS = 8
+PROFILED_PROMPTS = 4
+#: Op names (torch.profiler keys) by part of a prefill step, matched as substrings, for either engine.
+MATMUL_OPS = ("linear", "onednn_mm", "addmm", "aten::mm")
+ATTENTION_OPS = ("scaled_dot_product", "cpu_attention", "paged_attention")
 #: The workload's name, or the file a worker is given (a revision's worktree has no ../shared beside it).
 WORKLOAD = "skewed-64"
 
@@ -75,7 +85,7 @@ class _ShapeserveDriver(_Driver):
 
         class Args:
             threads = len(os.sched_getaffinity(0))
-            num_blocks = 4096
+            kv_tokens = 65536
             max_num_batched_tokens = 2048
 
         _, warm = load_workload(WORKLOAD, VOCAB_SIZE, num_requests=2)
@@ -203,12 +213,46 @@ def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
     }
 
 
-def worker(side: str, batches: list[int], mixed: list[tuple[int, int]], rate: float, seed: int) -> dict:
+def prefill_parts_ms(driver: _Driver, prompt_len: int, rng: random.Random, tag: str) -> dict[str, float]:
+    """A lone ``prompt_len``-token prompt's prefill step (one output token, so the step is all of it): wall time
+    unprofiled, then matmul / attention / rest per step from ``torch.profiler``'s self CPU time of the ops."""
+    from torch.profiler import profile
+
+    def one(k: int) -> float:
+        driver.add(f"{tag}-{k}", [rng.randrange(100, VOCAB_SIZE) for _ in range(prompt_len)], 1)
+        start = time.perf_counter()
+        while driver.busy():
+            driver.step()
+        return time.perf_counter() - start
+
+    wall = statistics.median(one(k) for k in range(MIXED_PROMPTS))
+    with profile() as prof:
+        profiled_s = sum(one(MIXED_PROMPTS + k) for k in range(PROFILED_PROMPTS))
+    matmul_us = attention_us = 0.0
+    for event in prof.key_averages():
+        if any(op in event.key for op in MATMUL_OPS):
+            matmul_us += event.self_cpu_time_total
+        elif any(op in event.key for op in ATTENTION_OPS):
+            attention_us += event.self_cpu_time_total
+    matmul, attention = matmul_us / 1e3 / PROFILED_PROMPTS, attention_us / 1e3 / PROFILED_PROMPTS
+    return {
+        f"{prompt_len}-token prompt alone, ms": wall * 1e3,
+        f"  {prompt_len}: in matmul ops, ms": matmul,
+        f"  {prompt_len}: in attention ops, ms": attention,
+        f"  {prompt_len}: the rest, ms": profiled_s * 1e3 / PROFILED_PROMPTS - matmul - attention,
+    }
+
+
+def worker(
+    side: str, batches: list[int], mixed: list[tuple[int, int]], parts: list[int], rate: float, seed: int
+) -> dict:
     driver = _VllmDriver() if side == "vllm" else _ShapeserveDriver()
     rng = random.Random(seed)
     result = {f"decode step ms, batch {b}": decode_step_ms(driver, b, rng, f"d{b}") for b in batches}
     for b, p in mixed:
         result[f"{b} decodes + {p}-token prompt, ms"] = mixed_step_ms(driver, b, p, rng, f"m{b}x{p}")
+    for p in parts:
+        result.update(prefill_parts_ms(driver, p, rng, f"pp{p}"))
     run = poisson_run(driver, rate, seed)
     result[f"rate={rate:g}: mean TPOT ms"] = run["mean_tpot_ms"]
     result[f"rate={rate:g}: median TTFT ms"] = run["median_ttft_ms"]
@@ -243,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         default="16x256,16x1024",
         help="BxP,...: time the step that prefills a P-token prompt beside B running decodes ('' for none)",
     )
+    ap.add_argument(
+        "--prefill-parts",
+        default="",
+        help="P,...: profile a lone P-token prompt's prefill step into matmul / attention / the rest ('' for none)",
+    )
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1002)
     ap.add_argument("--repeats", type=int, default=2)
@@ -264,10 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
+    parts = [int(p) for p in args.prefill_parts.split(",") if p]
     if args.worker:
         global WORKLOAD
         WORKLOAD = args.workload_file or WORKLOAD
-        print("RESULT " + json.dumps(worker(args.worker, batches, mixed, args.rate, args.seed)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, batches, mixed, parts, args.rate, args.seed)), flush=True)
         return 0
     if not (MODEL_DIR / "config.json").is_file():
         raise SystemExit(f"no model at {MODEL_DIR}: run bench/compare_vllm.sh (or python -m bench.engine_throughput)")
@@ -300,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             runs += 1
             prefix, cwd, env = commands[side]
             cmd = [*prefix, "--worker", "vllm" if side == "vllm" else "shapeserve", "--batches", args.batches]
-            cmd += ["--mixed", args.mixed, "--rate", str(args.rate), "--seed", str(args.seed)]
+            cmd += ["--mixed", args.mixed, "--prefill-parts", args.prefill_parts]
+            cmd += ["--rate", str(args.rate), "--seed", str(args.seed)]
             cmd += ["--workload-file", str(workload_path(WORKLOAD))]
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
