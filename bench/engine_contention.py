@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
 
     class EngineArgs:
-        num_blocks = 4096
+        kv_tokens = 65536
         max_num_batched_tokens = 2048
 
     EngineArgs.threads = threads  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, default_block_size
 from cluster.engine.llm_engine import LLMEngine
 from cluster.tools.demo_model import DemoModelSpec, ensure_demo_model
 from cluster.tools.workloads import load_workload
@@ -38,11 +38,17 @@ def make_engine(model_dir: Path, args, requests, prefix_caching: bool = True) ->
     """The engine under test, warmed up (kernels compiled, memory touched) on the first two
     requests' prompts with 4 output tokens each. A/B benches that send the same prompts to both
     sides pass ``prefix_caching=False``, so the side measured second computes them too."""
+    # The block size a server on this CPU runs (``default_block_size``), the pool sized in tokens.
+    block_size = default_block_size("cpu")
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
             num_threads=args.threads,
-            cache=CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=prefix_caching),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=-(-args.kv_tokens // block_size),
+                enable_prefix_caching=prefix_caching,
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256),
         )
     )
@@ -105,7 +111,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="skewed-64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", default=".bench-models/llama-512h-8l")
-    ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--kv-tokens", type=int, default=32768, help="KV pool size in tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
 
 

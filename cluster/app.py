@@ -201,7 +201,7 @@ def _pool_options(
         "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=pool.unavailable_retry_after_s),
         "request_router_config": RequestRouterConfig(
             request_router_class=router_cls,  # type: ignore[arg-type]  # Serve accepts the class or its import path
-            request_router_kwargs={"block_size": config.block_size},
+            request_router_kwargs={"block_size": config.block_tokens},
             request_routing_stats_period_s=config.routing_stats_period_s,  # type: ignore[arg-type]
             request_routing_stats_timeout_s=max(1.0, 4 * config.routing_stats_period_s),  # type: ignore[arg-type]
         ),

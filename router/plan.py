@@ -71,7 +71,7 @@ def plan_request(
         check_prompt(prompt, params.max_tokens, limits.vocab_size, limits.max_model_len)
     except ShapeserveError as e:
         raise user_error(e) from None
-    bs = config.block_size
+    bs = config.block_tokens
     hashes = tuple(hash_full_blocks(prompt, bs))
     # A request scoring its prompt computes all of it (the engine does not read it from the prefix cache).
     cached = 0 if params.prompt_logprobs is not None else cached_blocks(hashes) * bs

@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.config import DTYPES, EngineConfig
+from cluster.config import DTYPES, EngineConfig, default_block_size
 from cluster.errors import ConfigError
 
 
@@ -195,7 +195,9 @@ class ServeConfig(_Frozen):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     device: Literal["cpu", "cuda", "auto"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    block_size: int = Field(16, ge=1)
+    #: Tokens per KV block; None: the device's default (``cluster.config.default_block_size``: 128 on a CPU, 16 on a
+    #: GPU), fixed when the config is validated so that every process of a cluster hashes prefixes alike.
+    block_size: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -227,8 +229,10 @@ class ServeConfig(_Frozen):
     @model_validator(mode="after")
     def _cross_field(self) -> ServeConfig:
         # Each message starts with the key it is about (``config_problems`` reports it as the key).
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        size = self.block_size if self.block_size is not None else default_block_size(self.resolved_device())
+        if size & (size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {size}")
+        object.__setattr__(self, "block_size", size)  # frozen model: fixed here, before anyone reads it
         if self.dtype not in DTYPES:  # pragma: no cover - Literal already checks
             raise ValueError(f"dtype: must be one of {DTYPES}")
         for name in ("prefill", "decode"):
@@ -281,6 +285,12 @@ class ServeConfig(_Frozen):
         """The primary served name (responses, metrics' ``model_name``)."""
         return self.served_model_names[0]
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per KV block: ``block_size``, which validation has fixed (the device's default when unset)."""
+        assert self.block_size is not None, "set by the validator"
+        return self.block_size
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -301,7 +311,7 @@ class ServeConfig(_Frozen):
             attention_backend=self.attention_backend,
             num_threads=p.num_threads or num_threads,
             max_model_len=self.max_model_len,
-            block_size=self.block_size,
+            block_size=self.block_tokens,
             num_blocks=p.num_blocks,
             kv_cache_memory_gb=p.kv_cache_memory_gb,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -313,6 +323,8 @@ class ServeConfig(_Frozen):
     def with_overrides(self, **kwargs) -> ServeConfig:
         """A copy with top-level fields replaced (None values are ignored), validated again."""
         data = self.model_dump()
+        if "block_size" not in self.model_fields_set:
+            del data["block_size"]  # the device's default, which follows an overridden device
         data.update({k: v for k, v in kwargs.items() if v is not None})
         return parse_serve_config(data)
 

@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from cluster.config import (
+    ATTENTION_BACKENDS,
+    CPU_BLOCK_SIZE,
+    DTYPES,
+    GPU_BLOCK_SIZE,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from cluster.errors import ConfigError, ShapeserveError
 from cluster.tool_calls import TOOL_CALL_PARSERS
 
@@ -19,7 +27,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="auto: triton on CUDA, torch on CPU"
     )
     p.add_argument(
-        "--block-size", type=int, default=None, help=f"tokens per KV block (default {CacheConfig.block_size})"
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per KV block (default {CPU_BLOCK_SIZE} on a CPU, {GPU_BLOCK_SIZE} on a GPU)",
     )
     p.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory-gb)"

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from cluster.config import EngineConfig
 from cluster.errors import ConfigError, InvalidRequestError
 from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from cluster.openai_responses import error_response
@@ -118,7 +119,21 @@ def test_serve_config_defaults_and_engine_config():
     cfg = ServeConfig()
     assert (cfg.host, cfg.port, cfg.model_name) == ("127.0.0.1", 8000, "demo")
     ec = cfg.with_overrides(device="cpu").engine_config("prefill", "/m")
-    assert ec.model == "/m" and ec.cache.block_size == 16 and ec.device == "cpu"
+    assert ec.model == "/m" and ec.cache.block_size == 128 and ec.device == "cpu"
+
+
+def test_block_size_defaults_to_the_devices_and_a_given_one_is_kept():
+    """128-token blocks on a CPU, 16 on a GPU, fixed at validation (every process hashes prefixes alike); the
+    default follows a device override, a block size the config gave does not change."""
+    cpu = parse_serve_config({"device": "cpu"})
+    assert cpu.block_size == 128 and cpu.engine_config("decode", "/m").cache.block_size == 128
+    gpu = cpu.with_overrides(device="cuda")
+    assert gpu.block_size == 16 and gpu.engine_config("decode", "/m").cache.block_size == 16
+    given = parse_serve_config({"device": "cpu", "block_size": 32}).with_overrides(device="cuda")
+    assert given.block_size == 32 and given.engine_config("decode", "/m").cache.block_size == 32
+    assert EngineConfig.build("/m", device="cpu").cache.block_size == 128
+    assert EngineConfig.build("/m", device="cuda:1").cache.block_size == 16
+    assert EngineConfig.build("/m", device="cpu", block_size=16).cache.block_size == 16
 
 
 def test_serve_config_errors_name_the_field(tmp_path):

@@ -14,7 +14,11 @@ from router.plan import ModelLimits, plan_request, rejection
 
 LIMITS = ModelLimits(vocab_size=512, max_model_len=1024)
 CONFIG = parse_serve_config(
-    {"classifier": {"local_max_uncached_tokens": 32}, "admission": {"remote": {"max_inflight_requests": 2}}}
+    {
+        "block_size": 16,  # the prefix hashes and cached-token counts below are in 16-token blocks
+        "classifier": {"local_max_uncached_tokens": 32},
+        "admission": {"remote": {"max_inflight_requests": 2}},
+    }
 )
 
 

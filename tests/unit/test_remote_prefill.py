@@ -61,6 +61,7 @@ def config(transport: str):
     return parse_serve_config(
         {
             "device": "cpu",
+            "block_size": 16,  # PROMPT spans 5 blocks: the transfer counts below are per block
             "transport": transport,
             "kv_transfer_host": "127.0.0.1",
             "prefill": pool,
