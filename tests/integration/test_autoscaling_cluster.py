@@ -216,7 +216,9 @@ def test_application_policy_keeps_the_prefill_pool_beside_decode(demo_model):
         client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(f"{url}/health").status_code == 200, 180)
-        assert replicas(APP_NAME, "PrefillWorker") == 1
+        # /health reads the pool board, where a prefill replica reports itself from its constructor; Serve counts
+        # it RUNNING a moment later (a CI run read 0 right after /health).
+        _wait(lambda: replicas(APP_NAME, "PrefillWorker") == 1, 30)
 
         def long(i: int) -> list[int]:  # 200 tokens, REMOTE, each new to the prefix cache
             return [4 + i % 400, 4 + (i // 400) % 400] + [4 + (k * 17) % 500 for k in range(198)]
