@@ -134,7 +134,7 @@ def default_block_size(device: str) -> int:
 
     On a CPU a decode reads each block of a sequence as one contiguous run, and once a server has run a while a
     sequence's blocks lie wherever the pool had them: over scattered 16-token blocks the decode attention ran
-    1.5x slower than over contiguous ones (bench.kernels' scattered rows), over 128-token blocks ~1.1x. vLLM's CPU
+    1.55x slower than over contiguous ones, over 128-token blocks 1.08x (``python -m bench.block_layout``). vLLM's CPU
     backend defaults to 128 as well. GPU kernels read blocks in parallel; 16 keeps the last block's waste small."""
     return CPU_BLOCK_SIZE if device.split(":")[0] == "cpu" else GPU_BLOCK_SIZE
 
