@@ -113,7 +113,7 @@ def engine_ms(block_size: int, batch: int, context: int, repeats: int, seed: int
     fresh = statistics.median(decode_step_ms() for _ in range(repeats))
     churn()
     churned = statistics.median(decode_step_ms() for _ in range(repeats))
-    return {"contiguous": fresh, "scattered": churned}
+    return {"fresh": fresh, "churned": churned}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'block size':>10} {'fresh pool ms':>14} {'churned ms':>11} {'ratio':>6}")
     for bs in sizes:
         r = engine_ms(bs, args.batch, args.context, args.repeats, args.seed)
-        print(f"{bs:>10} {r['contiguous']:>14.2f} {r['scattered']:>11.2f} {r['scattered'] / r['contiguous']:>5.2f}x")
+        print(f"{bs:>10} {r['fresh']:>14.2f} {r['churned']:>11.2f} {r['churned'] / r['fresh']:>5.2f}x")
     return 0
 
 

@@ -141,6 +141,8 @@ def default_block_size(device: str) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    #: What a direct construction gets; ``EngineConfig.build`` (every CLI and serve path) applies the device's
+    #: ``default_block_size`` when no block size is given.
     block_size: int = GPU_BLOCK_SIZE
     #: Number of KV blocks in the pool. None: sized from ``kv_cache_memory_gb``.
     num_blocks: int | None = None
