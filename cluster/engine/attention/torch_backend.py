@@ -1,6 +1,7 @@
 """The ``torch`` attention backend, the CPU default: no per-request loops.
 
-float32 decodes go to the compiled paged decode kernel (``cpu_decode``) where it compiles and
+float32 decodes go to the compiled paged decode kernel (``cpu_decode``, numba) and float32 prefill
+chunks to the prefill kernel built for this host (``cpu_prefill``, C++), each where it compiles and
 checks out against the reference; everything else goes to fused SDPA over length buckets
 (``sdpa``). Each fast path is tried once (at ``warm_up``) and degrades to SDPA, saying so once.
 """
@@ -11,7 +12,13 @@ import logging
 
 import torch
 
-from cluster.engine.attention.base import AttentionMetadata, paged_decode_attention_ref, write_kv_ref
+from cluster.engine.attention import cpu_prefill
+from cluster.engine.attention.base import (
+    AttentionMetadata,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    write_kv_ref,
+)
 from cluster.engine.attention.sdpa import GatherBuffer, paged_attention_sdpa
 
 log = logging.getLogger(__name__)
@@ -48,6 +55,34 @@ def probe_cpu_decode_kernel() -> str:
     return ""
 
 
+def probe_cpu_prefill_kernel() -> str:
+    """Builds the float32 CPU prefill kernel for this host (or loads it built) and checks it against the
+    reference on fresh random inputs: GQA, a cached prefix, a decode, partial tiles, several work items
+    per sequence. Returns "" if it can be used, else why not."""
+    if not cpu_prefill.enabled_by_env():
+        return f"{cpu_prefill.ENABLE_ENV} is off"
+    try:
+        cpu_prefill.load()
+    except cpu_prefill.KernelUnavailable as e:
+        return str(e)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 64, 16, 2, 32, generator=g).unbind(0)  # [blocks, block_size, kv_heads, dim]
+    query_lens, seq_lens = (300, 1, 37), (300, 90, 60)
+    tables = torch.randperm(64, generator=g)[: 3 * 19].view(3, 19).to(torch.int32)
+    query = torch.randn(sum(query_lens), 4, 32, generator=g)
+    start = torch.tensor([0, 300, 301, 338], dtype=torch.int32)
+    try:
+        got = cpu_prefill.prefill_attention_cpu(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.2)
+    except Exception as e:  # noqa: BLE001 - a kernel's failures come in many types
+        return f"{type(e).__name__}: {e}"
+    want = paged_prefill_attention_ref(
+        query, k_cache, v_cache, tables, start, torch.tensor(seq_lens, dtype=torch.int32), 0.2, query_lens
+    )
+    if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+        return f"its output differs from the reference by {float((got - want).abs().max()):.2e}"
+    return ""
+
+
 class TorchAttentionBackend:
     """The CPU default, with no per-request loops: float32 decodes go to the compiled paged decode
     kernel (``cpu_decode``) where it compiles and checks out, everything else to fused SDPA over
@@ -57,8 +92,9 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._gather_buffer = GatherBuffer()
-        #: None until probed (at warm_up, or at the first float32 CPU decode).
+        #: None until probed (at warm_up, or at the first float32 CPU decode / prefill).
         self._decode_kernel_ok: bool | None = None
+        self._prefill_kernel_ok: bool | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -66,8 +102,10 @@ class TorchAttentionBackend:
     def warm_up(self, k_cache, v_cache) -> None:
         # Compiling the decode kernel takes ~7 s the first time (then it loads from numba's on-disk
         # cache in ~0.3 s): pay it at start-up, where a failure also degrades to SDPA before any request.
+        # Building the prefill kernel takes a few seconds the first time (then it loads from its cache).
         query = torch.zeros(1, k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype, device=k_cache.device)
         self._uses_decode_kernel(query, k_cache)
+        self._uses_prefill_kernel(query, k_cache, v_cache)
 
     def _uses_decode_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if _cpu_decode is None or not _cpu_decode.supports(query, k_cache):
@@ -79,6 +117,16 @@ class TorchAttentionBackend:
             self._decode_kernel_ok = not why_not
         return self._decode_kernel_ok
 
+    def _uses_prefill_kernel(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        if not cpu_prefill.supports(query, k_cache, v_cache):
+            return False
+        if self._prefill_kernel_ok is None:
+            why_not = probe_cpu_prefill_kernel()
+            if why_not:
+                log.warning("the CPU prefill attention kernel is unavailable (%s); prefills run through SDPA", why_not)
+            self._prefill_kernel_ok = not why_not
+        return self._prefill_kernel_ok
+
     def attend(
         self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, key=None, value=None
     ) -> torch.Tensor:
@@ -87,6 +135,19 @@ class TorchAttentionBackend:
         query_lens = meta.query_lens_list or tuple((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
         seq_lens = meta.seq_lens_list or tuple(meta.seq_lens.tolist())
         nd = meta.num_decodes if self._uses_decode_kernel(query, k_cache) else 0
+        if nd < meta.num_seqs and self._uses_prefill_kernel(query, k_cache, v_cache):
+            # Everything past the decodes (all of it, without the decode kernel) in one call per layer.
+            rest = cpu_prefill.prefill_attention_cpu(
+                query[nd:], k_cache, v_cache, meta.block_tables[nd:], query_lens[nd:], seq_lens[nd:], scale
+            )
+            if nd == 0:
+                return rest
+            out = torch.empty_like(query)
+            out[:nd] = _cpu_decode.paged_decode_attention_cpu(
+                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+            )
+            out[nd:] = rest
+            return out
         if nd == 0:
             return paged_attention_sdpa(
                 query,

@@ -1,0 +1,186 @@
+"""Causal prefill attention over the paged KV cache on CPU for float32: a kernel compiled for this host.
+
+torch's CPU flash attention (what ``sdpa`` calls) runs its block products through a BLAS that
+takes AVX2 code on AMD CPUs; ``cpu_prefill.cc`` writes the two products as register tiles over
+16-float vectors, reads K/V through the block table where they lie (no gather, no padding, no
+mask tensors), and covers every prefill chunk of a step in one call per layer, on the engine's
+threads (``python -m bench.kernels --device cpu --prefill-only`` times it against SDPA).
+
+The source is compiled with the host's C++ compiler for the host's CPU (``-march=native``) the
+first time an engine needs it, into a cache directory keyed by the source, the compiler and the
+CPU (``SHAPESERVE_KERNEL_CACHE``, default ``~/.cache/shapeserve/kernels``), and loaded through
+ctypes. Where there is no compiler, or the build fails, or the kernel disagrees with the reference,
+``TorchAttentionBackend`` says why once and keeps SDPA. ``SHAPESERVE_CPU_PREFILL_KERNEL=0`` keeps
+SDPA too (for A/B runs).
+
+Torch reference: ``cluster.engine.attention.paged_prefill_attention_ref``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_prefill.cc")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17")
+#: Query rows per work item: small enough that a long prompt's rows spread over the threads, large
+#: enough that packing its keys (once per item) stays a small share of the item's work.
+ROWS_PER_ITEM = 256
+#: The vector width the kernel is written in; head sizes must be a multiple of it.
+VECTOR_FLOATS = 16
+ENABLE_ENV = "SHAPESERVE_CPU_PREFILL_KERNEL"
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded on this host; the message says why."""
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENABLE_ENV, "1") not in ("0", "false", "no")
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and query.shape[-1] % VECTOR_FLOATS == 0
+        and query.stride(-1) == 1
+        and query.stride(-2) == query.shape[-1]
+    )
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SHAPESERVE_KERNEL_CACHE") or Path.home() / ".cache/shapeserve/kernels")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """Builds the kernel for this host (or finds it built) and loads it. Raises KernelUnavailable."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_identity()]).encode())
+    target = _cache_dir() / f"cpu_prefill-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside the target and renamed into place: replicas starting together never load half a file.
+        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+        os.close(fd)
+        try:
+            build = subprocess.run(
+                [compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=300
+            )
+            if build.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed: {build.stderr.strip()[-500:]}")
+            os.replace(partial, target)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelUnavailable(f"building with {compiler} failed: {e}") from e
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise KernelUnavailable(f"loading {target} failed: {e}") from e
+    fn = lib.prefill_attention_f32
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, i64, p, p, p, i64, p, i64, p, i32, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+    fn.restype = i32
+    return lib
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], kv_heads: int) -> tuple[np.ndarray, ...]:
+    """Per-sequence arrays and the work items, longest first (threads take them in this order).
+    Every layer of a step has the same lengths, so this runs once per step."""
+    q_len = np.asarray(query_lens, dtype=np.int32)
+    seq_len = np.asarray(seq_lens, dtype=np.int32)
+    q_start = np.zeros_like(q_len)
+    np.cumsum(q_len[:-1], out=q_start[1:])
+    items, cost = [], []
+    for s, (q, t) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        first = t - q
+        for begin in range(0, q, ROWS_PER_ITEM):
+            end = min(q, begin + ROWS_PER_ITEM)
+            for h in range(kv_heads):
+                items.append((s, h, begin, end))
+                cost.append((end - begin) * (first + (begin + end) / 2))
+    order = np.argsort(-np.asarray(cost), kind="stable")
+    return q_start, q_len, seq_len, np.ascontiguousarray(np.asarray(items, dtype=np.int32)[order])
+
+
+def prefill_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's ``query_lens[i]`` rows (the last positions of its ``seq_lens[i]``
+    context, whose K/V, this step's included, are in the caches).
+
+    query: [num_tokens, num_heads, head_dim] float32, sequence by sequence, each head's row contiguous (a view
+    of the fused qkv output is fine); caches: [num_blocks, block_size, kv_heads, head_dim] contiguous;
+    block_tables: [num_seqs, max_blocks] int32. Returns a new contiguous tensor of ``query``'s shape.
+    """
+    fn = load().prefill_attention_f32
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    q_start, q_len, seq_len, items = _plan(tuple(query_lens), tuple(seq_lens), kv_heads)
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else None
+    if tables is None:
+        tables = block_tables.to(torch.int32).contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    status = fn(
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        items.ctypes.data,
+        len(items),
+        q_start.ctypes.data,
+        q_len.ctypes.data,
+        seq_len.ctypes.data,
+        num_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        int(seq_len.max()),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the CPU prefill attention kernel could not start its threads or get scratch memory")
+    return out
