@@ -4,7 +4,7 @@ torch's CPU flash attention (what ``sdpa`` calls) runs its block products throug
 takes AVX2 code on AMD CPUs; ``cpu_prefill.cc`` writes the two products as register tiles over
 16-float vectors, reads K/V through the block table where they lie (no gather, no padding, no
 mask tensors), and covers every prefill chunk of a step in one call per layer, on the engine's
-threads (``python -m bench.kernels --device cpu --prefill-only`` times it against SDPA).
+threads (``python -m bench.prefill_attention`` times it against SDPA).
 
 The source is compiled with the host's C++ compiler for the host's CPU (``-march=native``) the
 first time an engine needs it, into a cache directory keyed by the source, the compiler and the
