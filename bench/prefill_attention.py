@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {name} | {spread([t * 1e3 for t in times['sdpa']], '.1f')} "
             f"| {spread([t * 1e3 for t in times['kernel']], '.1f')} "
-            f"| {case.gflop / statistics.median(times['sdpa']):.0f} | {case.gflop / statistics.median(times['kernel']):.0f} "
+            f"| {case.gflop / statistics.median(times['sdpa']):.0f} "
+            f"| {case.gflop / statistics.median(times['kernel']):.0f} "
             f"| {spread(ratios, '.2f')} |"
         )
 
