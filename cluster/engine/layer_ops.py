@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ def rotary_qk_ref_(
     qk.copy_(qk * c + rotate_half(qk) * s)
 
 
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)  # in place: one [T, intermediate] tensor fewer
+
+
 @dataclass(frozen=True)
 class LayerOps:
     name: str  # "compiled" | "torch"
@@ -59,6 +65,8 @@ class LayerOps:
     #: rotary_qk_(qkv [T, heads x head_dim], positions [T], rotated_heads, head_dim, cos, sin): rotates the first
     #: rotated_heads heads of every row (q's then k's) in place; cos/sin: [max_positions, head_dim] float32.
     rotary_qk_: Callable[[torch.Tensor, torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
+    #: silu_mul(gate_up [T, 2 x inter]) -> SiLU(gate) x up [T, inter], a new tensor (gate is the first half).
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_mul_ref
     #: Why the compiled kernels were not taken ("" when they were, or when none apply).
     fallback_reason: str = ""
 
@@ -96,19 +104,52 @@ def _probe(ops: LayerOps) -> str:
     return ""
 
 
+def _probe_silu_mul(fn: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """``fn`` against the reference on a decode row and a prefill block (a width that is no whole number of
+    vectors, and inputs far out on both sides). Returns "" if they agree, else why not."""
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 300):
+                gate_up = torch.randn(rows, 2 * 250, generator=g) * 8
+                got, want = fn(gate_up), silu_mul_ref(gate_up.clone())
+                if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                    return "its results differ from the torch reference's"
+    except Exception as e:  # noqa: BLE001 - a kernel's failures come in many types
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _choose_silu_mul() -> Callable[[torch.Tensor], torch.Tensor]:
+    from cluster.engine.native import KernelUnavailable, elementwise
+
+    try:
+        elementwise.load()
+    except KernelUnavailable as e:
+        why_not = str(e)
+    else:
+        why_not = _probe_silu_mul(elementwise.silu_mul)
+    if why_not:
+        log.warning("the compiled SiLU x up kernel is unavailable (%s); it runs as torch ops", why_not)
+        return silu_mul_ref
+    return elementwise.silu_mul
+
+
 def choose_layer_ops(dtype: torch.dtype, device: str | torch.device) -> LayerOps:
-    """The element-wise ops an engine of this dtype on this device runs: the compiled CPU kernels for float32 on
-    the CPU where they compile and agree with the reference, else the torch ops. Never raises; a fallback's reason
-    is logged once (engines call this once, at start)."""
+    """The element-wise ops an engine of this dtype on this device runs: for float32 on the CPU, the compiled
+    kernels (numba's norms and rotary, the host-built SiLU x up of ``cluster.engine.native``) where they compile
+    and agree with the reference, else the torch ops. Never raises; a fallback's reason is logged once (engines
+    call this once, at start)."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return TORCH_LAYER_OPS
+    silu_mul = _choose_silu_mul()
     try:
         from cluster.engine import cpu_layer_kernels as kernels
     except ImportError as e:  # pragma: no cover - numba is a declared dependency
-        return _fallback(f"numba cannot be imported ({e})")
-    compiled = LayerOps("compiled", kernels.rms_norm, kernels.add_rms_norm, kernels.rotary_qk_)
+        return dataclasses.replace(_fallback(f"numba cannot be imported ({e})"), silu_mul=silu_mul)
+    compiled = LayerOps("compiled", kernels.rms_norm, kernels.add_rms_norm, kernels.rotary_qk_, silu_mul)
     why_not = _probe(compiled)
-    return _fallback(why_not) if why_not else compiled
+    return dataclasses.replace(_fallback(why_not), silu_mul=silu_mul) if why_not else compiled
 
 
 def _fallback(reason: str) -> LayerOps:

@@ -1,17 +1,15 @@
-"""Causal prefill attention over the paged KV cache on CPU for float32: a kernel compiled for this host.
+"""Causal prefill attention over the paged KV cache on CPU for float32: a kernel built for this host.
 
 torch's CPU flash attention (what ``sdpa`` calls) runs its block products through a BLAS that
-takes AVX2 code on AMD CPUs; ``cpu_prefill.cc`` writes the two products as register tiles over
-16-float vectors, reads K/V through the block table where they lie (no gather, no padding, no
-mask tensors), and covers every prefill chunk of a step in one call per layer, on the engine's
-threads (``python -m bench.prefill_attention`` times it against SDPA).
+takes AVX2 code on AMD CPUs; ``native/prefill_attention.cc`` writes the two products as register
+tiles over 16-float vectors, reads K/V through the block table where they lie (no gather, no
+padding, no mask tensors), and covers every prefill chunk of a step in one call per layer, on the
+engine's threads (``python -m bench.prefill_attention`` times it against SDPA: ~2x at skewed-64's
+prompts on the 2-core CI machine).
 
-The source is compiled with the host's C++ compiler for the host's CPU (``-march=native``) the
-first time an engine needs it, into a cache directory keyed by the source, the compiler and the
-CPU (``SHAPESERVE_KERNEL_CACHE``, default ``~/.cache/shapeserve/kernels``), and loaded through
-ctypes. Where there is no compiler, or the build fails, or the kernel disagrees with the reference,
-``TorchAttentionBackend`` says why once and keeps SDPA. ``SHAPESERVE_CPU_PREFILL_KERNEL=0`` keeps
-SDPA too (for A/B runs).
+Built by ``cluster.engine.native`` when an engine starts. Where there is no compiler, or the build
+fails, or the kernel disagrees with the reference, ``TorchAttentionBackend`` says why once and keeps
+SDPA. ``SHAPESERVE_CPU_PREFILL_KERNEL=0`` keeps SDPA too (for A/B runs).
 
 Torch reference: ``cluster.engine.attention.paged_prefill_attention_ref``.
 """
@@ -20,28 +18,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_prefill.cc")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17")
+from cluster.engine import native
+from cluster.engine.native import KernelUnavailable
+
+__all__ = ["KernelUnavailable", "enabled_by_env", "load", "prefill_attention_cpu", "supports"]
+
 #: Query rows per work item: small enough that a long prompt's rows spread over the threads, large
 #: enough that packing its keys (once per item) stays a small share of the item's work.
 ROWS_PER_ITEM = 256
 #: The vector width the kernel is written in; head sizes must be a multiple of it.
 VECTOR_FLOATS = 16
 ENABLE_ENV = "SHAPESERVE_CPU_PREFILL_KERNEL"
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded on this host; the message says why."""
 
 
 def enabled_by_env() -> bool:
@@ -61,53 +53,10 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     )
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SHAPESERVE_KERNEL_CACHE") or Path.home() / ".cache/shapeserve/kernels")
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
-    return "\n".join(dict.fromkeys(keep))
-
-
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
-    """Builds the kernel for this host (or finds it built) and loads it. Raises KernelUnavailable."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_identity()]).encode())
-    target = _cache_dir() / f"cpu_prefill-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Built beside the target and renamed into place: replicas starting together never load half a file.
-        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
-        os.close(fd)
-        try:
-            build = subprocess.run(
-                [compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=300
-            )
-            if build.returncode != 0:
-                raise KernelUnavailable(f"{compiler} failed: {build.stderr.strip()[-500:]}")
-            os.replace(partial, target)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise KernelUnavailable(f"building with {compiler} failed: {e}") from e
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        raise KernelUnavailable(f"loading {target} failed: {e}") from e
+    """The kernel built for this host (see ``cluster.engine.native``). Raises KernelUnavailable."""
+    lib = native.load("prefill_attention")
     fn = lib.prefill_attention_f32
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [p, i64, p, p, p, i64, p, i64, p, i32, p, p, p, i32, i32, i32, i32, ctypes.c_float, i32, i32]

@@ -20,6 +20,7 @@ from cluster.engine.attention.base import (
     write_kv_ref,
 )
 from cluster.engine.attention.sdpa import GatherBuffer, paged_attention_sdpa
+from cluster.engine.native import KernelUnavailable, elementwise
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,30 @@ def probe_cpu_prefill_kernel() -> str:
     return ""
 
 
+def probe_native_write_kv() -> str:
+    """Builds the compiled KV cache write for this host (or loads it built) and checks it against
+    ``write_kv_ref``, key and value as strided views of one fused tensor, as the model passes them.
+    Returns "" if it can be used, else why not."""
+    try:
+        elementwise.load()
+    except KernelUnavailable as e:
+        return str(e)
+    g = torch.Generator().manual_seed(0)
+    caches = torch.zeros(2, 2, 160, 16, 2, 16)  # [got/want, k/v, blocks, block_size, kv_heads, dim]
+    fused = torch.randn(2100, 3 * 2 * 16, generator=g)
+    key, value = (fused[:, i * 32 : (i + 1) * 32].view(-1, 2, 16) for i in (1, 2))
+    slots = torch.randperm(160 * 16, generator=g)
+    try:
+        for rows in (3, 2100):  # on the calling thread, then in a parallel region
+            elementwise.write_kv(key[:rows], value[:rows], caches[0, 0], caches[0, 1], slots[:rows])
+            write_kv_ref(key[:rows], value[:rows], caches[1, 0], caches[1, 1], slots[:rows])
+    except Exception as e:  # noqa: BLE001 - a kernel's failures come in many types
+        return f"{type(e).__name__}: {e}"
+    if not torch.equal(caches[0], caches[1]):
+        return "the caches it wrote differ from the reference's"
+    return ""
+
+
 class TorchAttentionBackend:
     """The CPU default, with no per-request loops: float32 decodes go to the compiled paged decode
     kernel (``cpu_decode``) where it compiles and checks out, everything else to fused SDPA over
@@ -95,9 +120,23 @@ class TorchAttentionBackend:
         #: None until probed (at warm_up, or at the first float32 CPU decode / prefill).
         self._decode_kernel_ok: bool | None = None
         self._prefill_kernel_ok: bool | None = None
+        self._native_write_ok: bool | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        if self._uses_native_write(key, k_cache, v_cache) and elementwise.supports_write_kv(value, k_cache, v_cache):
+            elementwise.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def _uses_native_write(self, key: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        if not elementwise.supports_write_kv(key, k_cache, v_cache):
+            return False
+        if self._native_write_ok is None:
+            why_not = probe_native_write_kv()
+            if why_not:
+                log.warning("the compiled KV cache write is unavailable (%s); it runs as index_copy_", why_not)
+            self._native_write_ok = not why_not
+        return self._native_write_ok
 
     def warm_up(self, k_cache, v_cache) -> None:
         # Compiling the decode kernel takes ~7 s the first time (then it loads from numba's on-disk
@@ -106,6 +145,7 @@ class TorchAttentionBackend:
         query = torch.zeros(1, k_cache.shape[2], k_cache.shape[3], dtype=k_cache.dtype, device=k_cache.device)
         self._uses_decode_kernel(query, k_cache)
         self._uses_prefill_kernel(query, k_cache, v_cache)
+        self._uses_native_write(query, k_cache, v_cache)
 
     def _uses_decode_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if _cpu_decode is None or not _cpu_decode.supports(query, k_cache):

@@ -1,5 +1,5 @@
 // Causal prefill attention over the paged KV cache, float32, for CPUs: compiled when an engine
-// starts (cpu_prefill.py builds it with the host's compiler for the host's CPU, -march=native),
+// starts (cluster.engine.native builds it with the host's compiler for the host's CPU),
 // loaded through ctypes, called once per layer for every prefill chunk of a step.
 //
 // Why it exists: torch's CPU flash attention reaches ~55-65 GFLOP/s on the 2-core CI machine
@@ -23,44 +23,15 @@
 #include <atomic>
 #include <cmath>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int W = 16;        // floats per vector
+using namespace shapeserve_vec;
+
 constexpr int MR = 6;        // query rows per tile
 constexpr int NR = 2 * W;    // keys per score tile
 constexpr int DV = 4;        // output vectors per P.V pass (64 dims)
-
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-inline vf splat(float x) { return vf{} + x; }
-
-// exp(x) for the softmax (x <= 0 after the row max is subtracted): Cephes' expf polynomial after
-// reducing by ln 2; relative error ~2e-7. Inputs below -87 give 2^-126-scale values, not 0:
-// callers zero masked entries themselves.
-inline vf vexp(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  vf t = x * splat(1.44269504088896341f) + splat(0.5f);
-  vi n = __builtin_convertvector(t, vi);
-  vf nf = __builtin_convertvector(n, vf);
-  vi adjust = nf > t;  // truncation rounded a negative t up: take floor
-  n += adjust;         // adjust is -1 where true
-  nf = __builtin_convertvector(n, vf);
-  vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  vi bits = (n + 127) << 23;
-  return p * (vf)bits;  // GCC vector casts reinterpret the bits
-}
 
 struct Args {
   const float* query;      // [tokens, heads, D] rows q_row_stride floats apart
