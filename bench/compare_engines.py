@@ -14,8 +14,9 @@ the tuned environment of ../shared/notes/vllm-cpu.md), on the bench model in flo
 - what a lone prompt's prefill step is made of (``--prefill-parts``): its wall time (median over 8 prompts),
   and, from ``torch.profiler`` over 4 more, the milliseconds per step inside the matmul ops (shapeserve's
   oneDNN linear, vLLM's ``onednn_mm``), inside the attention ops (torch's SDPA; vLLM's own CPU attention
-  kernel) and the rest of the profiled step's wall time (norms, rotary, activation, KV writes, sampling,
-  Python: shapeserve's numba kernels are no torch ops, so they land there);
+  kernel; shapeserve's host-built prefill kernel, labelled with a ``record_function`` range) and the rest of
+  the profiled step's wall time (norms, rotary, activation, KV writes, sampling, Python: shapeserve's numba and
+  element-wise C++ kernels are no torch ops, so they land there);
 - skewed-64 with Poisson arrivals at ``--rate`` (the same requests ``shapeserve bench`` sends for that seed),
   each request added when its arrival time has passed: mean TPOT, median TTFT, output tokens/s.
 
@@ -52,7 +53,7 @@ MIXED_PROMPTS = 8
 PROFILED_PROMPTS = 4
 #: Op names (torch.profiler keys) by part of a prefill step, matched as substrings, for either engine.
 MATMUL_OPS = ("linear", "onednn_mm", "addmm", "aten::mm")
-ATTENTION_OPS = ("scaled_dot_product", "cpu_attention", "paged_attention")
+ATTENTION_OPS = ("scaled_dot_product", "cpu_attention", "paged_attention", "shapeserve::prefill_attention")
 #: The workload's name, or the file a worker is given (a revision's worktree has no ../shared beside it).
 WORKLOAD = "skewed-64"
 
@@ -91,6 +92,7 @@ class _ShapeserveDriver(_Driver):
         _, warm = load_workload(WORKLOAD, VOCAB_SIZE, num_requests=2)
         self.greedy = greedy
         self.engine = make_engine(MODEL_DIR, Args, warm)
+        _label_native_attention_for_the_profiler()
         self.counts: dict[str, int] = {}
 
     def add(self, request_id, prompt, max_tokens):
@@ -108,6 +110,24 @@ class _ShapeserveDriver(_Driver):
 
     def prefilling(self):
         return any(r.num_computed_tokens < r.num_prompt_tokens for r in self.engine.requests.values())
+
+
+def _label_native_attention_for_the_profiler() -> None:
+    """The host-built prefill kernel is no torch op: a ``record_function`` range gives ``--prefill-parts`` its time
+    as attention. Revisions without the kernel have nothing to label."""
+    try:
+        from cluster.engine.attention import cpu_prefill
+    except ImportError:
+        return
+    import torch
+
+    kernel = cpu_prefill.prefill_attention_cpu
+
+    def labelled(*args):
+        with torch.profiler.record_function("shapeserve::prefill_attention"):
+            return kernel(*args)
+
+    cpu_prefill.prefill_attention_cpu = labelled
 
 
 class _VllmDriver(_Driver):
