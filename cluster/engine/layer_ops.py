@@ -1,10 +1,12 @@
 """The element-wise parts of a decoder layer, and the choice of the code that runs them.
 
-A layer's norms, residual adds and rotary embedding are written here twice: as torch ops (the
-reference, and what runs on GPUs and in bfloat16/float16) and as compiled float32 CPU kernels
-(``cpu_layer_kernels``: one pass each instead of 7-20 torch ops, which at decode batch sizes
-cost more than the work). Like the matmul (``linear.choose_matmul``), the choice is made per
-(dtype, device) when an engine starts, by trying the kernels against the reference.
+A layer's norms, residual adds, rotary embedding and SiLU x up are written as torch ops here (the
+reference, and what runs on GPUs and in bfloat16/float16) and as float32 CPU kernels that do each
+in one pass instead of 2-20 torch ops, which at decode batch sizes cost more than the work: the
+host-built C++ ones (``cluster.engine.native.elementwise``, on torch's own OpenMP threads) and,
+where no compiler is found, numba's (``cpu_layer_kernels``). Like the matmul
+(``linear.choose_matmul``), the choice is made per (dtype, device) when an engine starts, by trying
+the kernels against the reference.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayerOps:
-    name: str  # "compiled" | "torch"
+    name: str  # "native" (host-built C++) | "compiled" (numba) | "torch"
     #: rms_norm(x [T, H], weight [H], eps) -> RMSNorm(x) x weight, a new tensor.
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     #: add_rms_norm(x, residual, weight, eps) -> (RMSNorm(x + residual) x weight, x + residual); may write the sum
@@ -120,36 +122,34 @@ def _probe_silu_mul(fn: Callable[[torch.Tensor], torch.Tensor]) -> str:
     return ""
 
 
-def _choose_silu_mul() -> Callable[[torch.Tensor], torch.Tensor]:
+def choose_layer_ops(dtype: torch.dtype, device: str | torch.device) -> LayerOps:
+    """The element-wise ops an engine of this dtype on this device runs. For float32 on the CPU, the first set that
+    builds and agrees with the torch reference: the host-built C++ kernels (``cluster.engine.native``), else
+    numba's (``cpu_layer_kernels``, with SiLU x up as torch ops), else the torch ops. Never raises; a fallback's
+    reason is logged once (engines call this once, at start)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return TORCH_LAYER_OPS
     from cluster.engine.native import KernelUnavailable, elementwise
 
     try:
         elementwise.load()
     except KernelUnavailable as e:
-        why_not = str(e)
+        why_not_native = str(e)
     else:
-        why_not = _probe_silu_mul(elementwise.silu_mul)
-    if why_not:
-        log.warning("the compiled SiLU x up kernel is unavailable (%s); it runs as torch ops", why_not)
-        return silu_mul_ref
-    return elementwise.silu_mul
-
-
-def choose_layer_ops(dtype: torch.dtype, device: str | torch.device) -> LayerOps:
-    """The element-wise ops an engine of this dtype on this device runs: for float32 on the CPU, the compiled
-    kernels (numba's norms and rotary, the host-built SiLU x up of ``cluster.engine.native``) where they compile
-    and agree with the reference, else the torch ops. Never raises; a fallback's reason is logged once (engines
-    call this once, at start)."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return TORCH_LAYER_OPS
-    silu_mul = _choose_silu_mul()
+        native = LayerOps(
+            "native", elementwise.rms_norm, elementwise.add_rms_norm, elementwise.rotary_qk_, elementwise.silu_mul
+        )
+        why_not_native = _probe(native) or _probe_silu_mul(native.silu_mul)
+        if not why_not_native:
+            return native
+    log.warning("the host-built layer kernels are unavailable (%s); trying numba's", why_not_native)
     try:
         from cluster.engine import cpu_layer_kernels as kernels
     except ImportError as e:  # pragma: no cover - numba is a declared dependency
-        return dataclasses.replace(_fallback(f"numba cannot be imported ({e})"), silu_mul=silu_mul)
-    compiled = LayerOps("compiled", kernels.rms_norm, kernels.add_rms_norm, kernels.rotary_qk_, silu_mul)
+        return _fallback(f"numba cannot be imported ({e})")
+    compiled = LayerOps("compiled", kernels.rms_norm, kernels.add_rms_norm, kernels.rotary_qk_)
     why_not = _probe(compiled)
-    return dataclasses.replace(_fallback(why_not), silu_mul=silu_mul) if why_not else compiled
+    return _fallback(why_not) if why_not else compiled
 
 
 def _fallback(reason: str) -> LayerOps:

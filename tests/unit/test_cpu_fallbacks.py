@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from cluster.config import SamplingParams
 from cluster.engine import cpu_features, cpu_layer_kernels, cpu_small_matmul
 from cluster.engine import linear as linear_module
-from cluster.engine.attention import cpu_decode
+from cluster.engine.attention import cpu_decode, cpu_prefill
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.native import elementwise
 from cluster.tools.cli import main as cli_main
 from tests.helpers import engine_config, random_prompts
 from tests.unit.test_engine_parity import hf_greedy
@@ -31,9 +32,13 @@ def _kernel_broken(*args, **kwargs):
     raise RuntimeError("numba: Failed in nopython mode pipeline")
 
 
-def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypatch, caplog):
-    """What a CPU without oneDNN linear and without numba gets: F.linear, SDPA and torch's element-wise ops, same
-    greedy tokens."""
+def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypatch, caplog, tmp_path):
+    """What a CPU without oneDNN linear, without numba and without a C++ compiler gets: F.linear, SDPA and torch's
+    element-wise ops, same greedy tokens."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SHAPESERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    elementwise.load.cache_clear()  # as in a fresh process (a failed load is not cached: later tests build again)
+    cpu_prefill.load.cache_clear()
     monkeypatch.setattr(linear_module, "onednn_linear", _no_primitive)
     monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", _kernel_broken)
     monkeypatch.setattr(cpu_layer_kernels, "add_rms_norm", _kernel_broken)
@@ -44,6 +49,7 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
         results = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     assert engine.matmul.fn is F.linear and "primitive descriptor" in engine.matmul.fallback_reason
     assert engine.backend._decode_kernel_ok is False
+    assert engine.backend._prefill_kernel_ok is False and engine.backend._native_write_ok is False
     assert engine.model.layer_ops.name == "torch" and "nopython" in engine.model.layer_ops.fallback_reason
     assert not engine.small_rows_matmul
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -51,13 +57,16 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
     assert sum("decodes run through SDPA" in w for w in warnings) == 1
     assert sum("norms and rotary run as torch ops" in w for w in warnings) == 1
     assert sum("small-batch matmul is unavailable" in w for w in warnings) == 1
+    for kernel in ("host-built layer kernels", "prefill attention kernel", "KV cache write"):
+        assert sum(kernel in w and "no-such-compiler" in w for w in warnings) == 1, kernel
     assert [r["token_ids"] for r in results] == hf_greedy(demo_model, prompts, MAX_TOKENS)
 
 
 def test_engine_uses_the_fast_paths_where_they_work(demo_model):
     engine = LLMEngine(engine_config(demo_model))
     assert engine.backend._decode_kernel_ok is True
-    assert engine.model.layer_ops.name == "compiled"
+    assert engine.backend._prefill_kernel_ok is True and engine.backend._native_write_ok is True
+    assert engine.model.layer_ops.name == "native"
     assert engine.small_rows_matmul
     if torch.backends.mkldnn.is_available():
         assert engine.matmul.name == "onednn"

@@ -1,6 +1,6 @@
-"""The Python side of ``elementwise.cc``: the MLP's SiLU x up and the KV cache write, float32 on CPU.
+"""The Python side of ``elementwise.cc``: a layer's norms, rotary, SiLU x up and KV cache write, float32 on CPU.
 
-Chosen when an engine starts, each checked against its torch reference first: ``silu_mul`` by
+Chosen when an engine starts, each checked against its torch reference first: the layer ops by
 ``layer_ops.choose_layer_ops``, ``write_kv`` by the torch attention backend's ``warm_up``.
 """
 
@@ -23,12 +23,93 @@ def load() -> ctypes.CDLL:
     lib.silu_mul_f32.restype = None
     lib.write_kv_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64, i32]
     lib.write_kv_f32.restype = i32
+    f32 = ctypes.c_float
+    lib.rms_norm_f32.argtypes = [p, i64, i64, i64, p, f32, p, i64, i32]
+    lib.rms_norm_f32.restype = None
+    lib.add_rms_norm_f32.argtypes = [p, i64, i64, i64, p, i64, p, f32, p, i64, i32]
+    lib.add_rms_norm_f32.restype = None
+    lib.rotary_qk_f32.argtypes = [p, i64, i64, p, i32, i32, p, p, i64, i32]
+    lib.rotary_qk_f32.restype = i32
     return lib
 
 
 def _rows_of_floats(x: torch.Tensor, what: str) -> None:
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1:
         raise ValueError(f"{what}: expected a float32 CPU tensor with contiguous rows, got {x.dtype} on {x.device}")
+
+
+def _contiguous_floats(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        raise ValueError(f"{what}: expected a float32 CPU tensor, got {x.dtype} on {x.device}")
+    return x.detach().contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) x weight, row by row: x [T, H] -> a new [T, H]."""
+    _rows_of_floats(x, "rms_norm")
+    w = _contiguous_floats(weight, "rms_norm weight")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rows, hidden = x.shape
+    load().rms_norm_f32(
+        x.data_ptr(), rows, hidden, x.stride(0), w.data_ptr(), eps, out.data_ptr(), hidden, torch.get_num_threads()
+    )
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) x weight, x + residual). Writes the sum into ``x`` and returns it as the second
+    value: pass an ``x`` nothing else reads (a matmul's fresh output)."""
+    _rows_of_floats(x, "add_rms_norm")
+    _rows_of_floats(residual, "add_rms_norm residual")
+    w = _contiguous_floats(weight, "add_rms_norm weight")
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} is not x's {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rows, hidden = x.shape
+    load().add_rms_norm_f32(
+        x.data_ptr(),
+        rows,
+        hidden,
+        x.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        w.data_ptr(),
+        eps,
+        out.data_ptr(),
+        hidden,
+        torch.get_num_threads(),
+    )
+    return out, x
+
+
+def rotary_qk_(
+    qkv: torch.Tensor, positions: torch.Tensor, rotated_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotates the first ``rotated_heads`` heads of each row of ``qkv`` [T, heads x head_dim] (q's, then k's) in
+    place by the angles of ``positions`` [T]; cos, sin: [max_positions, head_dim] float32."""
+    _rows_of_floats(qkv, "rotary_qk_")
+    if qkv.shape[1] < rotated_heads * head_dim or head_dim % 2:
+        raise ValueError(f"rotary_qk_: {rotated_heads} heads of {head_dim} do not fit rows of {qkv.shape[1]}")
+    cos, sin = _contiguous_floats(cos, "rotary_qk_ cos"), _contiguous_floats(sin, "rotary_qk_ sin")
+    if cos.shape != sin.shape or cos.shape[-1] != head_dim:
+        raise ValueError(f"rotary_qk_: cos/sin must be [max_positions, {head_dim}]")
+    pos = positions.to(torch.int64).contiguous()
+    status = load().rotary_qk_f32(
+        qkv.data_ptr(),
+        qkv.shape[0],
+        qkv.stride(0),
+        pos.data_ptr(),
+        rotated_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise IndexError(f"rotary_qk_: a position lies outside the table's {cos.shape[0]} positions")
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
