@@ -1,6 +1,7 @@
 """The torch backend's fast paths (compiled CPU decode kernel, bucketed SDPA) against the padded
 references, on fresh random data with shuffled block ids."""
 
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from cluster.engine.attention.base import (
     paged_prefill_attention_ref,
 )
 from cluster.engine.attention.cpu_decode import paged_decode_attention_cpu, supports
+from cluster.engine.attention.native_decode import paged_decode_attention_native
 from cluster.engine.attention.sdpa import GatherBuffer, length_buckets, paged_attention_sdpa
 from cluster.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -35,9 +37,13 @@ def paged_context(seq_lens, block_size, kv_heads, head_dim, dtype, seed=0):
     return k_cache, v_cache, tables, g
 
 
-@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 1), (16, 32, 4), (32, 128, 2), (8, 64, 8)])
+DECODE_KERNELS = {"numba": paged_decode_attention_cpu, "native": paged_decode_attention_native}
+
+
+@pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS))
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 1), (16, 32, 4), (32, 128, 2), (8, 64, 8), (7, 80, 2)])
 @pytest.mark.parametrize("batch", ["many", "one"])  # the parallel kernel, and the serial one a single sequence takes
-def test_cpu_decode_kernel_matches_reference(block_size, head_dim, group, batch):
+def test_cpu_decode_kernel_matches_reference(kernel, block_size, head_dim, group, batch):
     kv_heads = 2
     seq_lens = [1, block_size, block_size + 1, 333, 7] if batch == "many" else [333]
     k_cache, v_cache, tables, g = paged_context(seq_lens, block_size, kv_heads, head_dim, torch.float32)
@@ -46,7 +52,7 @@ def test_cpu_decode_kernel_matches_reference(block_size, head_dim, group, batch)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim**-0.5
     ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens, scale)
-    got = paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens, scale)
+    got = DECODE_KERNELS[kernel](query, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(got, ref, **TOL[torch.float32])
 
 
@@ -171,8 +177,9 @@ def test_every_layer_of_a_step_reuses_the_steps_sdpa_plan():
     assert _plan.cache_info().misses == misses
 
 
-def test_warm_up_compiles_the_decode_kernel_in_a_fresh_process():
-    """Run where nothing has launched the kernel yet, so only warm_up can have compiled it."""
+def test_warm_up_compiles_the_numba_decode_kernel_without_the_host_built_one():
+    """Run where nothing has launched the kernel yet, so only warm_up can have compiled it; the host-built
+    kernels are switched off, as on a host without a compiler."""
     code = (
         "import torch\n"
         "from cluster.engine.attention.torch_backend import TorchAttentionBackend\n"
@@ -182,7 +189,10 @@ def test_warm_up_compiles_the_decode_kernel_in_a_fresh_process():
         "TorchAttentionBackend().warm_up(cache, cache)\n"
         "print(len(_decode_parallel.signatures), len(_decode_serial.signatures))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    env = dict(os.environ, SHAPESERVE_NATIVE_KERNELS="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "1 1"
 

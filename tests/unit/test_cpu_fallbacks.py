@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from cluster.config import SamplingParams
 from cluster.engine import cpu_features, cpu_layer_kernels, cpu_small_matmul
 from cluster.engine import linear as linear_module
-from cluster.engine.attention import cpu_decode, cpu_prefill
+from cluster.engine.attention import cpu_decode, cpu_prefill, native_decode
+from cluster.engine.attention.torch_backend import NATIVE_DECODE, NATIVE_PREFILL, NATIVE_WRITE, NUMBA_DECODE
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.native import elementwise
 from cluster.tools.cli import main as cli_main
@@ -37,8 +38,8 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
     element-wise ops, same greedy tokens."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SHAPESERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    elementwise.load.cache_clear()  # as in a fresh process (a failed load is not cached: later tests build again)
-    cpu_prefill.load.cache_clear()
+    for load in (elementwise.load, cpu_prefill.load, native_decode.load):
+        load.cache_clear()  # as in a fresh process (a failed load is not cached: later tests build again)
     monkeypatch.setattr(linear_module, "onednn_linear", _no_primitive)
     monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", _kernel_broken)
     monkeypatch.setattr(cpu_layer_kernels, "add_rms_norm", _kernel_broken)
@@ -48,8 +49,12 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
         engine = LLMEngine(engine_config(demo_model))
         results = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     assert engine.matmul.fn is F.linear and "primitive descriptor" in engine.matmul.fallback_reason
-    assert engine.backend._decode_kernel_ok is False
-    assert engine.backend._prefill_kernel_ok is False and engine.backend._native_write_ok is False
+    assert engine.backend.checked == {
+        NATIVE_DECODE: False,
+        NUMBA_DECODE: False,
+        NATIVE_PREFILL: False,
+        NATIVE_WRITE: False,
+    }
     assert engine.model.layer_ops.name == "torch" and "nopython" in engine.model.layer_ops.fallback_reason
     assert not engine.small_rows_matmul
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -57,15 +62,15 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
     assert sum("decodes run through SDPA" in w for w in warnings) == 1
     assert sum("norms and rotary run as torch ops" in w for w in warnings) == 1
     assert sum("small-batch matmul is unavailable" in w for w in warnings) == 1
-    for kernel in ("host-built layer kernels", "prefill attention kernel", "KV cache write"):
+    for kernel in ("host-built layer kernels", NATIVE_DECODE, NATIVE_PREFILL, NATIVE_WRITE):
         assert sum(kernel in w and "no-such-compiler" in w for w in warnings) == 1, kernel
     assert [r["token_ids"] for r in results] == hf_greedy(demo_model, prompts, MAX_TOKENS)
 
 
 def test_engine_uses_the_fast_paths_where_they_work(demo_model):
     engine = LLMEngine(engine_config(demo_model))
-    assert engine.backend._decode_kernel_ok is True
-    assert engine.backend._prefill_kernel_ok is True and engine.backend._native_write_ok is True
+    # numba's decode kernel is not even compiled: the host-built one came first.
+    assert engine.backend.checked == {NATIVE_DECODE: True, NATIVE_PREFILL: True, NATIVE_WRITE: True}
     assert engine.model.layer_ops.name == "native"
     assert engine.small_rows_matmul
     if torch.backends.mkldnn.is_available():

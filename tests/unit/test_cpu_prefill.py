@@ -6,9 +6,11 @@ import logging
 import pytest
 import torch
 
+from cluster.engine import native
 from cluster.engine.attention import cpu_prefill
 from cluster.engine.attention.base import AttentionMetadata, paged_prefill_attention_ref
-from cluster.engine.attention.torch_backend import TorchAttentionBackend, probe_cpu_prefill_kernel
+from cluster.engine.attention.cpu_kernel_checks import check_prefill
+from cluster.engine.attention.torch_backend import TorchAttentionBackend
 from tests.unit.test_attention_torch import paged_context
 
 # Prompts with nothing cached (one of them longer than a work item's rows), chunks continuing after a
@@ -91,7 +93,7 @@ def test_the_backend_uses_the_kernel_for_float32_prefills(monkeypatch):
 def test_without_a_compiler_prefills_run_through_sdpa_and_the_log_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SHAPESERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    assert "no-such-compiler" in probe_cpu_prefill_kernel()
+    assert "no-such-compiler" in check_prefill()
     cpu_prefill.load.cache_clear()
     query, k_cache, v_cache, meta, want = prefill_step()
     backend = TorchAttentionBackend()
@@ -104,8 +106,8 @@ def test_without_a_compiler_prefills_run_through_sdpa_and_the_log_says_why(monke
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv(cpu_prefill.ENABLE_ENV, "0")
-    assert cpu_prefill.ENABLE_ENV in probe_cpu_prefill_kernel()
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
+    assert f"{native.SWITCH_ENV}=0 turns them off" in check_prefill()
 
 
 def test_the_build_is_cached_per_host_and_reused(monkeypatch, tmp_path):

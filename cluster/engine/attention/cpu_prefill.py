@@ -9,7 +9,7 @@ prompts on the 2-core CI machine).
 
 Built by ``cluster.engine.native`` when an engine starts. Where there is no compiler, or the build
 fails, or the kernel disagrees with the reference, ``TorchAttentionBackend`` says why once and keeps
-SDPA. ``SHAPESERVE_CPU_PREFILL_KERNEL=0`` keeps SDPA too (for A/B runs).
+SDPA.
 
 Torch reference: ``cluster.engine.attention.paged_prefill_attention_ref``.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 import torch
@@ -26,18 +25,13 @@ import torch
 from cluster.engine import native
 from cluster.engine.native import KernelUnavailable
 
-__all__ = ["KernelUnavailable", "enabled_by_env", "load", "prefill_attention_cpu", "supports"]
+__all__ = ["KernelUnavailable", "load", "prefill_attention_cpu", "supports"]
 
 #: Query rows per work item: small enough that a long prompt's rows spread over the threads, large
 #: enough that packing its keys (once per item) stays a small share of the item's work.
 ROWS_PER_ITEM = 256
 #: The vector width the kernel is written in; head sizes must be a multiple of it.
 VECTOR_FLOATS = 16
-ENABLE_ENV = "SHAPESERVE_CPU_PREFILL_KERNEL"
-
-
-def enabled_by_env() -> bool:
-    return os.environ.get(ENABLE_ENV, "1") not in ("0", "false", "no")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -13,8 +13,9 @@ already loaded, so they run on the calling thread's OpenMP team, the same thread
 around them, rather than starting threads that would compete with those for the cores.
 
 Where there is no compiler or a build fails, ``load`` raises ``KernelUnavailable`` with the reason;
-callers check each kernel against its torch reference when an engine starts and keep the torch
-path, saying why once, if anything is wrong.
+callers check each kernel against its torch reference when an engine starts and keep the numba or
+torch path, saying why once, if anything is wrong. ``SHAPESERVE_NATIVE_KERNELS=0`` turns them all
+off (as a host without a compiler would run: for A/B runs and for tests).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SWITCH_ENV = "SHAPESERVE_NATIVE_KERNELS"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17")
 
 
@@ -52,6 +54,8 @@ def _cpu_identity() -> str:
 def load(name: str) -> ctypes.CDLL:
     """Builds ``<name>.cc`` of this directory for this host (or finds it built) and loads it.
     Raises KernelUnavailable."""
+    if os.environ.get(SWITCH_ENV, "1") in ("0", "false", "no"):
+        raise KernelUnavailable(f"{SWITCH_ENV}={os.environ[SWITCH_ENV]} turns them off")
     source = HERE / f"{name}.cc"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
