@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.attention import cpu_decode
+from cluster.engine.attention import cpu_decode, cpu_prefill, native_decode
 from cluster.engine.attention.base import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from cluster.engine.attention.sdpa import GatherBuffer, paged_attention_sdpa
 
@@ -193,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_decode.supports(q, kc):
         dec_cpu = lambda: cpu_decode.paged_decode_attention_cpu(q, kc, vc, tables, lens, scale)  # noqa: E731
         ms = t(dec_cpu)
-        rows.append(Row(name, "torch backend: CPU decode kernel", ms, **bw(ms), max_err=err(dec_cpu(), ref)))
+        rows.append(Row(name, "torch backend: numba decode kernel", ms, **bw(ms), max_err=err(dec_cpu(), ref)))
+    if native_decode.supports(q, kc, vc):
+        dec_native = lambda: native_decode.paged_decode_attention_native(q, kc, vc, tables, lens, scale)  # noqa: E731
+        ms = t(dec_native)
+        rows.append(Row(name, "torch backend: host-built decode kernel", ms, **bw(ms), max_err=err(dec_native(), ref)))
     if not args.torch_only:
         out = torch.empty_like(q)
         dec = lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, context, out=out)  # noqa: E731
@@ -221,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     pre_sdpa = lambda: paged_attention_sdpa(q, kc, vc, tables, q_lens, t_lens, scale, buf)  # noqa: E731
     ms = t(pre_sdpa)
     rows.append(Row(name, "torch backend: bucketed SDPA", ms, None, None, err(pre_sdpa(), ref)))
+    if cpu_prefill.supports(q, kc, vc):
+        pre_native = lambda: cpu_prefill.prefill_attention_cpu(q, kc, vc, tables, q_lens, t_lens, scale)  # noqa: E731
+        ms = t(pre_native)
+        rows.append(Row(name, "torch backend: host-built prefill kernel", ms, None, None, err(pre_native(), ref)))
     if not args.torch_only:
         out = torch.empty_like(q)
         pre = lambda: paged_prefill_attention(q, kc, vc, tables, starts, lens, scale, p_query, out=out)  # noqa: E731
