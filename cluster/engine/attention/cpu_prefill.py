@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -83,8 +84,8 @@ def prefill_attention_cpu(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    query_lens: tuple[int, ...],
-    seq_lens: tuple[int, ...],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence's ``query_lens[i]`` rows (the last positions of its ``seq_lens[i]``
