@@ -105,6 +105,13 @@ def test_without_a_compiler_prefills_run_through_sdpa_and_the_log_says_why(monke
     assert len(warnings) == 1 and "no-such-compiler" in warnings[0]
 
 
+def test_an_unwritable_kernel_cache_keeps_sdpa(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SHAPESERVE_KERNEL_CACHE", str(blocker / "kernels"))  # a directory under a file
+    assert "cannot write the kernel cache" in check_prefill()
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native.SWITCH_ENV, "0")
     assert f"{native.SWITCH_ENV}=0 turns them off" in check_prefill()

@@ -126,5 +126,5 @@ def prefill_attention_cpu(
         torch.get_num_threads(),
     )
     if status != 0:
-        raise MemoryError("the CPU prefill attention kernel could not start its threads or get scratch memory")
+        raise MemoryError("the CPU prefill attention kernel could not get scratch memory")
     return out

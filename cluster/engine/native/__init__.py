@@ -1,7 +1,8 @@
 """C++ kernels built for this host when an engine first needs them, and loaded through ctypes.
 
-The CPU kernels that torch's own ops run slowly on the machines we serve from (causal prefill
-attention, the MLP's SiLU x up, the KV cache write) are written here over 16-float GCC vectors
+The CPU kernels that torch's own ops run slowly on the machines we serve from (prefill and decode
+attention over the paged cache, the norms, rotary and SiLU x up of a layer, the KV cache write) are
+written here over 16-float GCC vectors
 (``vec.h``) and compiled with the host's C++ compiler for the host's CPU (``-march=native``: the
 same source gives AVX-512 code where the CPU has it). Each source is built once per source, header,
 compiler and CPU into ``SHAPESERVE_KERNEL_CACHE`` (default ``~/.cache/shapeserve/kernels``), renamed
@@ -21,6 +22,7 @@ off (as a host without a compiler would run: for A/B runs and for tests).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -41,6 +43,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SHAPESERVE_KERNEL_CACHE") or Path.home() / ".cache/shapeserve/kernels")
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
     """What -march=native depends on: the CPU's model and feature flags."""
     try:
@@ -49,6 +52,15 @@ def _cpu_identity() -> str:
         return os.uname().machine
     keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
     return "\n".join(dict.fromkeys(keep))
+
+
+@functools.lru_cache(maxsize=4)
+def _version(compiler: str) -> str:
+    """``compiler --version`` (asked once per process and compiler: an engine loads several kernels)."""
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
 
 
 def load(name: str) -> ctypes.CDLL:
@@ -61,11 +73,10 @@ def load(name: str) -> ctypes.CDLL:
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
-    texts = [source.read_text(), *(h.read_text() for h in sorted(HERE.glob("*.h")))]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, " ".join(FLAGS), _cpu_identity()]).encode())
+        texts = [source.read_text(), *(h.read_text() for h in sorted(HERE.glob("*.h")))]
+    except OSError as e:  # an install without the sources (package data)
+        raise KernelUnavailable(f"cannot read the kernel's source: {e}") from e
+    key = hashlib.sha256("\0".join([*texts, compiler, _version(compiler), " ".join(FLAGS), _cpu_identity()]).encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         _build(compiler, source, target)
@@ -76,9 +87,12 @@ def load(name: str) -> ctypes.CDLL:
 
 
 def _build(compiler: str, source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
-    os.close(fd)
+    try:  # a cache directory that cannot be written is a reason like any other: the torch path stays
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+        os.close(fd)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e}") from e
     try:
         build = subprocess.run(
             [compiler, *FLAGS, "-I", str(HERE), "-o", partial, str(source)], capture_output=True, text=True, timeout=300
