@@ -5,8 +5,8 @@
 // little arithmetic on it: its cost is memory traffic. Work items are whole sequences (or, when there
 // are too few sequences to share out, one KV head of one) spread over the calling thread's OpenMP
 // team (torch's threads). An item walks its context token by token, each token's heads one run of
-// memory, as the hardware prefetchers stream best (reading it head by head instead ran at ~60% of
-// the bandwidth once the cache was out of L3):
+// memory, as the hardware prefetchers stream best (reading it head by head instead, a 1 KiB stride,
+// was clearly slower once the cache was out of L3):
 //   scores: each head's dot product with a token as D/16 vector FMAs, kept as a vector of partial
 //           sums; every 16 tokens one shuffle tree sums each head's 16 vectors across lanes;
 //   softmax over the whole context (a row of at most max_model_len floats per head);
