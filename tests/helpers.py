@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from cluster.engine.request import Request
@@ -60,3 +62,28 @@ def disable_ray_token_auth() -> Callable[[], None]:
             os.environ["RAY_AUTH_MODE"] = before
 
     return restore
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port for a test server to listen on, free now, from 20000 up to the kernel's ephemeral range.
+
+    Not a port the kernel hands out (binding port 0): released, such a port can be taken again by any outgoing
+    connection of the Ray processes a test starts before its server binds it (a CI run failed so: "Failed to bind
+    to address"). Below the ephemeral range nothing is handed out, and above 20000 Ray's worker ports end."""
+    rng = random.Random()  # seeded by the OS: sessions side by side pick apart
+    for _ in range(500):
+        port = rng.randrange(20000, _ephemeral_ports_start())
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and the ephemeral range")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -14,12 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ServerProcess
 from cluster.tools.serve_cli import RAY_METRICS_REPORT_INTERVAL_MS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 @contextmanager

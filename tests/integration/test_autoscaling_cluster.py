@@ -7,22 +7,15 @@ class mix needs."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.helpers import disable_ray_token_auth
+from tests.helpers import disable_ray_token_auth, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replicas(app: str, deployment: str) -> int:
@@ -61,7 +54,7 @@ def scale_up_and_down(
     from cluster.app import APP_NAME, build_app
     from cluster.serving.config import parse_serve_config
 
-    port = _free_port()
+    port = free_port()
     serve_config = parse_serve_config(
         {"device": "cpu", "host": "127.0.0.1", "port": port, "served_model_name": "demo", **config}
     )
@@ -181,7 +174,7 @@ def test_application_policy_keeps_the_prefill_pool_beside_decode(demo_model):
 
     from cluster.app import APP_NAME
 
-    port = _free_port()
+    port = free_port()
     overrides = {
         "model": str(demo_model),
         "device": "cpu",

@@ -4,7 +4,6 @@ repository root serves the demo model through Serve's proxy (only the port diffe
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -13,16 +12,11 @@ import pytest
 import yaml
 
 from bench.server_process import ServerProcess
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_run_of_the_local_app_config(tmp_path, demo_model):

@@ -13,13 +13,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
 import pytest
 
-from tests.helpers import disable_ray_token_auth
+from tests.helpers import disable_ray_token_auth, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +32,6 @@ def long_prompt(seed: int, n: int = 80) -> list[int]:
 
 
 LONG = [long_prompt(s) for s in (1, 2, 3)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +69,7 @@ def server(demo_model, ray_cluster):
     from cluster.app import APP_NAME, build_app
     from cluster.serving.config import parse_serve_config
 
-    port = _free_port()
+    port = free_port()
     pool = {"num_cpus": 0, "num_gpus": 0, "num_blocks": 256, "num_threads": 1, "max_num_batched_tokens": 512}
     config = parse_serve_config(
         {
