@@ -24,9 +24,6 @@ import numpy as np
 import torch
 
 from cluster.engine import native
-from cluster.engine.native import KernelUnavailable
-
-__all__ = ["KernelUnavailable", "load", "prefill_attention_cpu", "supports"]
 
 #: Query rows per work item: small enough that a long prompt's rows spread over the threads, large
 #: enough that packing its keys (once per item) stays a small share of the item's work.
