@@ -301,7 +301,7 @@ def _vllm_env(vllm_python: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/shapeserve-bench/vllm-venv/bin/python"))
-    ap.add_argument("--batches", default="1,8,16,64")
+    ap.add_argument("--batches", default="1,8,16,64", help="decode batch sizes to time ('' for none)")
     ap.add_argument(
         "--mixed",
         default="16x256,16x1024",
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", choices=["vllm", "shapeserve"], help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
     parts = [int(p) for p in args.prefill_parts.split(",") if p]
     if args.worker:
