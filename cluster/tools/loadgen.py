@@ -20,6 +20,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -378,10 +379,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.plot_dir and importlib.util.find_spec("matplotlib") is None:
-        # Said before the load runs, not after minutes of it.
+def _prepare_outputs(output_json: str | None, plot_dir: str | None) -> None:
+    """Makes the report's and the plots' directories and checks they can be written, so that a bad path is said
+    before the load runs, not after minutes of it (when the measurements would be lost)."""
+    if plot_dir and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot-dir needs matplotlib: pip install 'shapeserve[bench]' (or leave out --plot-dir)")
+    for flag, directory in (
+        ("--output-json", Path(output_json).parent if output_json else None),
+        ("--plot-dir", Path(plot_dir) if plot_dir else None),
+    ):
+        if directory is None:
+            continue
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(
+                f"{flag}: cannot create {directory} ({e.strerror}); give a path in a writable directory"
+            ) from e
+        if not os.access(directory, os.W_OK):
+            raise SystemExit(f"{flag}: {directory} is not writable; give a path in a writable directory")
+    if output_json and Path(output_json).is_dir():
+        raise SystemExit(f"--output-json: {output_json} is a directory; give a file name")
+
+
+def run(args: argparse.Namespace) -> int:
+    _prepare_outputs(args.output_json, args.plot_dir)
     spec, requests = load_workload(args.workload, args.vocab_size, args.rate, args.num_requests, args.seed)
     model = args.model or asyncio.run(discover_model(args.base_url))
     records, duration = asyncio.run(

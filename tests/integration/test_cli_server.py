@@ -260,7 +260,7 @@ def test_bench_counts_match_the_server_metrics(server, tmp_path):
     # The same counts under vLLM's names too, for dashboards built for vLLM.
     names = ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count")
     before = settled_scrape(server.url)
-    report = tmp_path / "report.json"
+    report = tmp_path / "reports" / "report.json"  # a directory the bench makes
     argv = ["bench", "--base-url", f"{server.url}/v1", "--workload", str(workload), "--vocab-size", "512"]
     assert cli_main([*argv, "--output-json", str(report), "--plot-dir", str(tmp_path / "plots"), "--no-progress"]) == 0
     result = json.loads(report.read_text())
