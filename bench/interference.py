@@ -44,7 +44,7 @@ def run_side(side: str, model_dir: str, workload: str, seed: int, port: int) -> 
         [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", model_dir, "--port", str(port)]
         + ["--config", str(CONFIGS / f"{config}.yaml")],
         f"http://127.0.0.1:{port}",
-        f"/tmp/shapeserve-interference-{config}.log",
+        f"/tmp/shapeserve-interference-{side.replace(' ', '-')}.log",
     ).start()
     try:
         spec, requests = load_workload(workload, BENCH_SPEC.vocab_size, seed=seed)
