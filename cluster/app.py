@@ -43,6 +43,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The pool board is cluster-wide state, like Serve's controller: it lives on the head node with it, so the loss
+#: of a worker node never takes the board (and every replica's last report) along. Ray gives the head node this
+#: resource; the board takes no CPU.
+BOARD_ACTOR_OPTIONS = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+
 APP_NAME = "shapeserve"
 
 
@@ -242,7 +247,7 @@ def build_app(
         board = PoolBoard(board_stale_after_s)
     else:
         board = serve.deployment(
-            name="PoolBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+            name="PoolBoard", num_replicas=1, ray_actor_options=BOARD_ACTOR_OPTIONS, max_ongoing_requests=1000
         )(PoolBoard).bind(stale_after_s=board_stale_after_s)
     prefill = None
     if placement.prefill is not None:

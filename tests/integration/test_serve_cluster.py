@@ -430,6 +430,13 @@ def test_lost_prefill_node_requests_complete_and_a_new_node_takes_the_pool(serve
     complete through a local prefill; when a node that can host the pool joins, Serve starts the prefill replica
     there and REMOTE requests go to it again, within a bound."""
     node = next(n for n in ray_cluster.list_all_nodes() if "prefill" in (n._ray_params.resources or {}))
+    # The pool board lives on the head node (cluster.app.BOARD_ACTOR_OPTIONS), never on a worker node that can go.
+    # (From the GCS's actor table: ray.util.state would need the dashboard, which this cluster does not run.)
+    import ray
+
+    actors = ray._private.state.actors().values()
+    boards = [a for a in actors if a["ActorClassName"].endswith(":PoolBoard") and a["State"] == "ALIVE"]
+    assert [b["Address"]["NodeID"] for b in boards] == [ray_cluster.head_node.node_id]
     prompts = [long_prompt(400 + i, 900) for i in range(3)]
     expected = offline(prompts, 20)
     before = pools(server)["decode"][0]
