@@ -33,7 +33,7 @@ from cluster.serving.autoscaling import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, r
 from cluster.serving.config import PoolConfig, ServeConfig
 from cluster.serving.messages import PrefillResult, PrefillTask
 from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
-from cluster.serving.pool_board import InProcessBoard, PoolBoard
+from cluster.serving.pool_board import InProcessBoard, PoolBoard, board_stale_after_s
 from router.replica_choice import DecodeRequestRouter, PrefillRequestRouter
 
 if TYPE_CHECKING:
@@ -240,15 +240,15 @@ def build_app(
     if placement is None:
         placement = place_pools(config, *cluster_resources())
     log.info(describe(placement))
-    board_stale_after_s = max(3.0, 6 * config.routing_stats_period_s)
+    stale_after_s = board_stale_after_s(config.routing_stats_period_s)
     board: Any
     if board_in_process(config, placement):
         # One replica reports: it holds the board itself (a copy of this object is passed to its constructor).
-        board = PoolBoard(board_stale_after_s)
+        board = PoolBoard(stale_after_s)
     else:
         board = serve.deployment(
             name="PoolBoard", num_replicas=1, ray_actor_options=BOARD_ACTOR_OPTIONS, max_ongoing_requests=1000
-        )(PoolBoard).bind(stale_after_s=board_stale_after_s)
+        )(PoolBoard).bind(stale_after_s=stale_after_s)
     prefill = None
     if placement.prefill is not None:
         options = _pool_options(PREFILL_DEPLOYMENT, config.prefill, placement.prefill, config, PrefillRequestRouter)

@@ -17,6 +17,19 @@ from typing import Any
 from cluster.serving.messages import ReplicaStats
 
 
+def board_stale_after_s(report_period_s: float) -> float:
+    """How old a replica's last report may be before the board (and an edge's copy of it) drops it: several
+    missed reports, so one slow report never makes a live replica disappear."""
+    return max(3.0, 6 * report_period_s)
+
+
+def board_call_timeout_s(report_period_s: float) -> float:
+    """How long a report or a snapshot may take before the caller gives it up and tries again later. Without a
+    bound, a call sent to a board replica that dies before answering would never return: the reporter would
+    stop reporting and the edge would stop refreshing (Serve restarts the board, but nobody asks it again)."""
+    return max(1.0, 4 * report_period_s)
+
+
 class PoolBoard:
     """The latest ``ReplicaStats`` of every pool replica.
 

@@ -11,6 +11,7 @@ from typing import Any
 from cluster.serving.async_engine import AsyncEngine
 from cluster.serving.config import ServeConfig
 from cluster.serving.messages import ReplicaStats
+from cluster.serving.pool_board import board_call_timeout_s
 from kv_transfer import KVTransferConfig
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ class ReplicaReporter:
                 idle = self.engine.stats().active_requests == 0
                 if idle and self.engine.engine.kv_layout.num_blocks <= MAX_BLOCKS_FOR_INTEGRITY_CHECK:
                     self.integrity_ok = await self.engine.check_integrity()
-                await self.board.report.remote(self.stats())
-            except Exception as e:  # noqa: BLE001
+                await asyncio.wait_for(self.board.report.remote(self.stats()), board_call_timeout_s(self.period_s))
+            except Exception as e:  # noqa: BLE001  (a timeout too: the next period reports afresh)
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.period_s)
 

@@ -56,6 +56,7 @@ ROUTER_MAY_USE_FROM_SERVING = {
     "cluster.serving.config",
     "cluster.serving.messages",
     "cluster.serving.metrics",
+    "cluster.serving.pool_board",
     "cluster.serving.tracing",
 }
 
