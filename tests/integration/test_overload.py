@@ -55,7 +55,9 @@ def test_three_times_capacity_gets_fast_429s_and_keeps_goodput(server, demo_mode
     # Nothing but 200s and 429s; no request lost or broken.
     assert set(over["errors_by_status"]) <= {"429"}, over["errors_by_status"]
     assert over["rejected_429"] > 0, report  # the excess was refused, not queued
-    assert over["reject_latency_s"]["p99"] < 0.1, over["reject_latency_s"]
+    # Refused at once, not queued: a queued request waits for a running one to finish (seconds here). Usually
+    # ~0.03 s; the bound leaves room for a client that shares two busy cores with the engine (once 0.109 s).
+    assert over["reject_latency_s"]["p99"] < 0.25, over["reject_latency_s"]
     # What was admitted met the SLO: goodput under 3x load is no lower than at capacity (10% for the noise of
     # two short measurements on a shared machine).
     assert over["goodput"] >= capacity["goodput"] * 0.9, report
