@@ -539,6 +539,36 @@ def test_oversized_and_malformed_bodies_are_refused_before_parsing(server, offli
     assert complete(server, "Hello", 8).json()["choices"][0]["token_ids"] == offline(["Hello"], 8)[0]
 
 
+def test_killed_pool_board_every_replica_reports_again(server):
+    """The pool board's process killed (Serve starts another): /health keeps answering meanwhile, and every
+    replica's stats are back on /admin/pools within a bound. (A killed process fails the calls in flight to it at
+    once; a call that never returns, as one to a node that went silent can, is tests/unit/test_board_outage.py's.)"""
+    import ray
+
+    def board_pid() -> int | None:
+        actors = ray._private.state.actors().values()
+        alive = [a for a in actors if a["ActorClassName"].endswith(":PoolBoard") and a["State"] == "ALIVE"]
+        return alive[0]["Pid"] if alive else None
+
+    pid = board_pid()
+    assert pid
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    t0 = time.monotonic()
+    assert httpx.get(f"{server}/health", timeout=30).status_code in (200, 503)  # an answer, not a hang
+    assert time.monotonic() - t0 < 10
+
+    def reported_again():
+        p = pools(server)
+        reps = p["prefill"] + p["decode"]
+        return p["prefill"] and p["decode"] and all(r["reported_at"] > killed_at for r in reps) and p
+
+    _wait(reported_again, 60, "every replica's report on the restarted board")
+    assert board_pid() not in (None, pid)
+    _wait(lambda: httpx.get(f"{server}/health").status_code == 200, 30, "healthy with the new board")
+    print(f"pool board killed: every replica reported again after {time.monotonic() - t0:.1f} s")
+
+
 def test_killed_decode_replica_ends_its_streams_cleanly_and_the_pool_recovers(server, offline):
     """Kept last: it kills the module's decode replica. A stream that already sent tokens ends promptly (an error
     event or a closed stream, never a hang), what it sent is a prefix of the right output, and once Serve has
