@@ -200,11 +200,18 @@ def mixed_step_ms(driver: _Driver, batch: int, prompt_len: int, rng: random.Rand
     return statistics.median(times) * 1e3
 
 
+#: ``poisson_run``'s keys printed under names of their own (kept since earlier runs: their rows compare across runs).
+RUN_HEADLINE = ("mean_tpot_ms", "median_ttft_ms", "output_tok_s")
+
+
 def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
     _, requests = load_workload(WORKLOAD, VOCAB_SIZE, rate_per_s=rate, seed=seed)
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     produced: dict[str, int] = {}
+    prefill_steps: list[float] = []
+    decode_steps: list[float] = []
+    decode_batch: list[int] = []
     start = time.perf_counter()
     i = 0
     while i < len(requests) or driver.busy():
@@ -216,13 +223,22 @@ def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
         if not driver.busy():
             time.sleep(max(0.0, requests[i].arrival_s - now))
             continue
+        # Which steps compute prompt tokens, and how long each kind takes: the two engines may reach the same
+        # TPOT by different mixes (fewer, larger prefill chunks; faster decode-only steps).
+        prefilling = driver.prefilling()
+        step_start = time.perf_counter()
         outputs = driver.step()
         t = time.perf_counter() - start
+        (prefill_steps if prefilling else decode_steps).append(time.perf_counter() - step_start)
+        decoded = 0
         for rid, n in outputs:
             if n > 0:
+                decoded += rid in first
                 first.setdefault(rid, t)
                 last[rid] = t
                 produced[rid] = n
+        if not prefilling:
+            decode_batch.append(decoded)
     wall = time.perf_counter() - start
     tpot = [(last[r] - first[r]) / (produced[r] - 1) for r in first if produced[r] > 1]
     ttft = [first[f"p{r.index}"] - r.arrival_s for r in requests]
@@ -230,6 +246,12 @@ def poisson_run(driver: _Driver, rate: float, seed: int) -> dict:
         "mean_tpot_ms": statistics.mean(tpot) * 1e3,
         "median_ttft_ms": statistics.median(ttft) * 1e3,
         "output_tok_s": sum(produced.values()) / wall,
+        "steps with prompt tokens": len(prefill_steps),
+        "prompt-token step mean, ms": statistics.mean(prefill_steps or [0.0]) * 1e3,
+        "prompt-token steps, % of wall": 100 * sum(prefill_steps) / wall,
+        "decode-only steps": len(decode_steps),
+        "decode-only step mean, ms": statistics.mean(decode_steps or [0.0]) * 1e3,
+        "decode-only step mean batch": statistics.mean(decode_batch or [0]),
     }
 
 
@@ -277,6 +299,7 @@ def worker(
     result[f"rate={rate:g}: mean TPOT ms"] = run["mean_tpot_ms"]
     result[f"rate={rate:g}: median TTFT ms"] = run["median_ttft_ms"]
     result[f"rate={rate:g}: output tok/s"] = run["output_tok_s"]
+    result.update({f"rate={rate:g}: {k}": v for k, v in run.items() if k not in RUN_HEADLINE})
     return result
 
 
@@ -384,13 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     base = sides[0] if sides[0] == "vllm" else "baseline"
     ratio_sides = [s for s in sides if s != base]
     ratio_names = [f"{s[:5]}/{base[:5]}" for s in ratio_sides]
-    print(f"{'':<34}" + "".join(f" {labels[s]:>24}" for s in sides) + "".join(f" {n:>12}" for n in ratio_names))
+    width = max(34, *(len(k) for k in results[sides[0]][0]))
+    print(f"{'':<{width}}" + "".join(f" {labels[s]:>24}" for s in sides) + "".join(f" {n:>12}" for n in ratio_names))
     for key in results[sides[0]][0]:
         values = {s: [r[key] for r in results[s]] for s in sides}
         med = {s: statistics.median(v) for s, v in values.items()}
         cells = "".join(f" {min(v):7.1f} {med[s]:7.1f} {max(v):7.1f}" for s, v in values.items())
         ratios = "".join(f" {med[s] / med[base]:11.2f}x" for s in ratio_sides)
-        print(f"{key:<34}{cells}{ratios}")
+        print(f"{key:<{width}}{cells}{ratios}")
     return 0
 
 
