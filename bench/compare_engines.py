@@ -48,6 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / ".bench-models/llama-512h-8l"
 VOCAB_SIZE = 32000
 CONTEXT = 256
+#: The context both engines are built for (the bench model's): a prompt and its one output token must fit.
+MAX_MODEL_LEN = 2048
 DECODE_STEPS = 20
 MIXED_PROMPTS = 8
 PROFILED_PROMPTS = 4
@@ -135,7 +137,7 @@ class _VllmDriver(_Driver):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.llm = LLM(model=str(MODEL_DIR), dtype="float32", max_model_len=2048, seed=0)
+        self.llm = LLM(model=str(MODEL_DIR), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
         self.engine = self.llm.llm_engine
         self.params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         self.prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
@@ -357,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
     parts = [int(p) for p in args.prefill_parts.split(",") if p]
+    too_long = [p for p in parts + [p for _, p in mixed] if p >= MAX_MODEL_LEN]
+    if too_long:  # refused here, not by the first engine after minutes of the run
+        raise SystemExit(f"prompts of {too_long} tokens leave no room for an output in {MAX_MODEL_LEN}: use fewer")
     if args.worker:
         global WORKLOAD
         WORKLOAD = args.workload_file or WORKLOAD
