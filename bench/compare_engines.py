@@ -164,9 +164,9 @@ class _VllmDriver(_Driver):
         return bool(self.pending_prefill)
 
 
-def decode_step_ms(driver: _Driver, batch: int, rng: random.Random, tag: str) -> float:
+def decode_step_ms(driver: _Driver, batch: int, rng: random.Random, tag: str, context: int = CONTEXT) -> float:
     for i in range(batch):
-        driver.add(f"{tag}-{i}", [rng.randrange(100, VOCAB_SIZE) for _ in range(CONTEXT)], DECODE_STEPS + 6)
+        driver.add(f"{tag}-{i}", [rng.randrange(100, VOCAB_SIZE) for _ in range(context)], DECODE_STEPS + 6)
     while driver.prefilling():
         driver.step()
     driver.step()
@@ -180,13 +180,15 @@ def decode_step_ms(driver: _Driver, batch: int, rng: random.Random, tag: str) ->
     return statistics.median(times) * 1e3
 
 
-def mixed_step_ms(driver: _Driver, batch: int, prompt_len: int, rng: random.Random, tag: str) -> float:
+def mixed_step_ms(
+    driver: _Driver, batch: int, prompt_len: int, rng: random.Random, tag: str, context: int = CONTEXT
+) -> float:
     """The step that computes a new ``prompt_len``-token prompt beside ``batch`` running decodes (what every arrival
     costs the requests already decoding), median over MIXED_PROMPTS prompts. Each prompt asks for one token, so it
     leaves with its prefill step and the batch stays at ``batch`` decodes."""
     steps = MIXED_PROMPTS * 2 + 6
     for i in range(batch):
-        driver.add(f"{tag}-{i}", [rng.randrange(100, VOCAB_SIZE) for _ in range(CONTEXT)], steps)
+        driver.add(f"{tag}-{i}", [rng.randrange(100, VOCAB_SIZE) for _ in range(context)], steps)
     while driver.prefilling():
         driver.step()
     driver.step()
@@ -288,20 +290,28 @@ def prefill_parts_ms(driver: _Driver, prompt_len: int, rng: random.Random, tag: 
 
 
 def worker(
-    side: str, batches: list[int], mixed: list[tuple[int, int]], parts: list[int], rate: float, seed: int
+    side: str,
+    batches: list[int],
+    mixed: list[tuple[int, int]],
+    parts: list[int],
+    rate: float,
+    seed: int,
+    context: int = CONTEXT,
 ) -> dict:
     driver = _VllmDriver() if side == "vllm" else _ShapeserveDriver()
     rng = random.Random(seed)
-    result = {f"decode step ms, batch {b}": decode_step_ms(driver, b, rng, f"d{b}") for b in batches}
+    at = "" if context == CONTEXT else f", context {context}"
+    result = {f"decode step ms, batch {b}{at}": decode_step_ms(driver, b, rng, f"d{b}", context) for b in batches}
     for b, p in mixed:
-        result[f"{b} decodes + {p}-token prompt, ms"] = mixed_step_ms(driver, b, p, rng, f"m{b}x{p}")
+        result[f"{b} decodes{at} + {p}-token prompt, ms"] = mixed_step_ms(driver, b, p, rng, f"m{b}x{p}", context)
     for p in parts:
         result.update(prefill_parts_ms(driver, p, rng, f"pp{p}"))
-    run = poisson_run(driver, rate, seed)
-    result[f"rate={rate:g}: mean TPOT ms"] = run["mean_tpot_ms"]
-    result[f"rate={rate:g}: median TTFT ms"] = run["median_ttft_ms"]
-    result[f"rate={rate:g}: output tok/s"] = run["output_tok_s"]
-    result.update({f"rate={rate:g}: {k}": v for k, v in run.items() if k not in RUN_HEADLINE})
+    if rate > 0:
+        run = poisson_run(driver, rate, seed)
+        result[f"rate={rate:g}: mean TPOT ms"] = run["mean_tpot_ms"]
+        result[f"rate={rate:g}: median TTFT ms"] = run["median_ttft_ms"]
+        result[f"rate={rate:g}: output tok/s"] = run["output_tok_s"]
+        result.update({f"rate={rate:g}: {k}": v for k, v in run.items() if k not in RUN_HEADLINE})
     return result
 
 
@@ -337,7 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="P,...: profile a lone P-token prompt's prefill step into matmul / attention / the rest ('' for none)",
     )
-    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--rate", type=float, default=2.0, help="the Poisson run's requests/s (0: no Poisson run)")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=CONTEXT,
+        help="prompt tokens of each running decode in --batches and --mixed (a served batch carries longer ones)",
+    )
     ap.add_argument("--seed", type=int, default=1002)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
@@ -359,13 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
     parts = [int(p) for p in args.prefill_parts.split(",") if p]
-    too_long = [p for p in parts + [p for _, p in mixed] if p >= MAX_MODEL_LEN]
+    too_long = [p for p in parts + [p for _, p in mixed] + [args.context + DECODE_STEPS + 6] if p >= MAX_MODEL_LEN]
     if too_long:  # refused here, not by the first engine after minutes of the run
         raise SystemExit(f"prompts of {too_long} tokens leave no room for an output in {MAX_MODEL_LEN}: use fewer")
     if args.worker:
         global WORKLOAD
         WORKLOAD = args.workload_file or WORKLOAD
-        print("RESULT " + json.dumps(worker(args.worker, batches, mixed, parts, args.rate, args.seed)), flush=True)
+        result = worker(args.worker, batches, mixed, parts, args.rate, args.seed, args.context)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     if not (MODEL_DIR / "config.json").is_file():
         raise SystemExit(f"no model at {MODEL_DIR}: run bench/compare_vllm.sh (or python -m bench.engine_throughput)")
@@ -399,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix, cwd, env = commands[side]
             cmd = [*prefix, "--worker", "vllm" if side == "vllm" else "shapeserve", "--batches", args.batches]
             cmd += ["--mixed", args.mixed, "--prefill-parts", args.prefill_parts]
-            cmd += ["--rate", str(args.rate), "--seed", str(args.seed)]
+            cmd += ["--rate", str(args.rate), "--seed", str(args.seed), "--context", str(args.context)]
             cmd += ["--workload-file", str(workload_path(WORKLOAD))]
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
