@@ -375,9 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     mixed = [(int(b), int(p)) for b, p in (m.split("x") for m in args.mixed.split(",") if m)]
     parts = [int(p) for p in args.prefill_parts.split(",") if p]
-    too_long = [p for p in parts + [p for _, p in mixed] + [args.context + DECODE_STEPS + 6] if p >= MAX_MODEL_LEN]
-    if too_long:  # refused here, not by the first engine after minutes of the run
+    # Refused here, not by the first engine minutes into the run.
+    too_long = [p for p in parts + [p for _, p in mixed] if p >= MAX_MODEL_LEN]
+    if too_long:
         raise SystemExit(f"prompts of {too_long} tokens leave no room for an output in {MAX_MODEL_LEN}: use fewer")
+    if args.context + DECODE_STEPS + 6 > MAX_MODEL_LEN:
+        raise SystemExit(
+            f"--context {args.context} leaves no room for the {DECODE_STEPS + 6} tokens each running decode "
+            f"generates in {MAX_MODEL_LEN}: use at most {MAX_MODEL_LEN - DECODE_STEPS - 6}"
+        )
     if args.worker:
         global WORKLOAD
         WORKLOAD = args.workload_file or WORKLOAD
