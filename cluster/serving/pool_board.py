@@ -24,9 +24,11 @@ def board_stale_after_s(report_period_s: float) -> float:
 
 
 def board_call_timeout_s(report_period_s: float) -> float:
-    """How long a report or a snapshot may take before the caller gives it up and tries again later. Without a
-    bound, a call sent to a board replica that dies before answering would never return: the reporter would
-    stop reporting and the edge would stop refreshing (Serve restarts the board, but nobody asks it again)."""
+    """How long a report or a snapshot may take before the caller gives it up and tries again later. A killed
+    board process fails the calls in flight at once, but a call to one on a node that went silent waits until Ray
+    declares the node dead, if ever; unbounded, the reporter stopped reporting and the edge stopped refreshing for
+    that long, each behind its one call (a CI run saw the decode replica missing from the board for over a minute
+    after the board's node went)."""
     return max(1.0, 4 * report_period_s)
 
 

@@ -1,7 +1,7 @@
 """A pool board that stops answering (Serve restarting it, its node gone) stalls neither side that calls it: the
 edge answers /health and /admin/pools from its last snapshot, less the reports gone stale, and asks again
-later; a replica's reporter gives up the lost report and reports again. Without the bound on each call, a
-call sent to a board that died before answering never returned, and the stats stopped for good."""
+later; a replica's reporter gives up the lost report and reports again. Without the bound on each call, a call
+that never returned (one to a board on a node gone silent) stopped that side's stats for as long as it hung."""
 
 from __future__ import annotations
 
