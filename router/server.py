@@ -72,7 +72,7 @@ from cluster.prompting import check_text_fits, encode_chat, encode_prompt, max_c
 from cluster.serving.config import ServeConfig
 from cluster.serving.messages import GenerateTask, ReplicaStats, Route, Started
 from cluster.serving.metrics import RequestTiming, RouterMetrics
-from cluster.serving.pool_board import board_call_timeout_s, board_stale_after_s
+from cluster.serving.pool_board import board_call_timeout_s, board_stale_after_s, fresh_reports
 from cluster.serving.tracing import RequestTrace
 from cluster.tokenizer import load_tokenizer
 from cluster.tool_calls import ToolCall, ToolMode, parse_output, template_tools
@@ -191,8 +191,7 @@ class OpenAIServer:
             except Exception as e:  # noqa: BLE001
                 # The board is away (Serve is restarting it, or its node is gone): answer from the last snapshot,
                 # less what the board itself would have dropped by now, so a dead pool does not look alive.
-                cutoff = time.time() - board_stale_after_s(period_s)
-                self.pool_stats = [s for s in self.pool_stats if s.reported_at >= cutoff]
+                self.pool_stats = fresh_reports(self.pool_stats, board_stale_after_s(period_s))
                 log.warning("the pool board did not answer (%r); %d replica reports kept", e, len(self.pool_stats))
         self._stats_at = time.monotonic()
         return self.pool_stats

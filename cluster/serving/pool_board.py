@@ -11,7 +11,7 @@ the cores the engine computes on, and stall its parallel regions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cluster.serving.messages import ReplicaStats
@@ -21,6 +21,12 @@ def board_stale_after_s(report_period_s: float) -> float:
     """How old a replica's last report may be before the board (and an edge's copy of it) drops it: several
     missed reports, so one slow report never makes a live replica disappear."""
     return max(3.0, 6 * report_period_s)
+
+
+def fresh_reports(reports: Iterable[ReplicaStats], stale_after_s: float) -> list[ReplicaStats]:
+    """The reports younger than ``stale_after_s``: the one staleness rule, for the board and an edge's copy alike."""
+    cutoff = time.time() - stale_after_s
+    return [s for s in reports if s.reported_at >= cutoff]
 
 
 def board_call_timeout_s(report_period_s: float) -> float:
@@ -46,8 +52,7 @@ class PoolBoard:
         self._latest[(stats.pool, stats.replica_id)] = stats
 
     def snapshot(self) -> list[ReplicaStats]:
-        cutoff = time.time() - self.stale_after_s
-        self._latest = {k: s for k, s in self._latest.items() if s.reported_at >= cutoff}
+        self._latest = {(s.pool, s.replica_id): s for s in fresh_reports(self._latest.values(), self.stale_after_s)}
         return sorted(self._latest.values(), key=lambda s: (s.pool, s.replica_id))
 
 

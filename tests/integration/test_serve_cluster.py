@@ -137,6 +137,15 @@ def pools(url: str) -> dict[str, list[dict]]:
     return {p: [r for r in reps if r["pool"] == p] for p in ("prefill", "decode")}
 
 
+def live_boards() -> list[dict]:
+    """The live PoolBoard actors, from the GCS's actor table (ray.util.state would need the dashboard, which this
+    cluster does not run)."""
+    import ray
+
+    actors = ray._private.state.actors().values()
+    return [a for a in actors if a["ActorClassName"].endswith(":PoolBoard") and a["State"] == "ALIVE"]
+
+
 def assert_no_blocks_in_use(url: str, timeout_s: float = 15.0):
     """Both pools settle at zero used KV blocks and zero live requests, with an intact block pool."""
 
@@ -431,12 +440,7 @@ def test_lost_prefill_node_requests_complete_and_a_new_node_takes_the_pool(serve
     there and REMOTE requests go to it again, within a bound."""
     node = next(n for n in ray_cluster.list_all_nodes() if "prefill" in (n._ray_params.resources or {}))
     # The pool board lives on the head node (cluster.app.BOARD_ACTOR_OPTIONS), never on a worker node that can go.
-    # (From the GCS's actor table: ray.util.state would need the dashboard, which this cluster does not run.)
-    import ray
-
-    actors = ray._private.state.actors().values()
-    boards = [a for a in actors if a["ActorClassName"].endswith(":PoolBoard") and a["State"] == "ALIVE"]
-    assert [b["Address"]["NodeID"] for b in boards] == [ray_cluster.head_node.node_id]
+    assert [b["Address"]["NodeID"] for b in live_boards()] == [ray_cluster.head_node.node_id]
     prompts = [long_prompt(400 + i, 900) for i in range(3)]
     expected = offline(prompts, 20)
     before = pools(server)["decode"][0]
@@ -543,12 +547,10 @@ def test_killed_pool_board_every_replica_reports_again(server):
     """The pool board's process killed (Serve starts another): /health keeps answering meanwhile, and every
     replica's stats are back on /admin/pools within a bound. (A killed process fails the calls in flight to it at
     once; a call that never returns, as one to a node that went silent can, is tests/unit/test_board_outage.py's.)"""
-    import ray
 
     def board_pid() -> int | None:
-        actors = ray._private.state.actors().values()
-        alive = [a for a in actors if a["ActorClassName"].endswith(":PoolBoard") and a["State"] == "ALIVE"]
-        return alive[0]["Pid"] if alive else None
+        boards = live_boards()
+        return boards[0]["Pid"] if boards else None
 
     pid = board_pid()
     assert pid
