@@ -1,4 +1,4 @@
-"""The CPU KV pool is zeroed without being written: its pages are touched only when blocks are used."""
+"""The CPU KV pool: zeroed, shaped, aligned, and its memory backed when it is allocated, not by the first steps."""
 
 import os
 
@@ -27,12 +27,11 @@ def test_pool_is_zeroed_writable_and_shaped(dtype):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-def test_allocating_a_large_pool_does_not_touch_its_memory():
-    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=4096)
-    nbytes = 4 * 2 * 4096 * 16 * 4 * 64 * 4  # 512 MiB
+def test_a_large_pool_is_backed_when_allocated():
+    # The first steps must not pay the pool's page faults (7% of a long prefill step on the bench VM).
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=1024)
+    nbytes = 4 * 2 * 1024 * 16 * 4 * 64 * 4  # 128 MiB
     before = _rss_bytes()
     kv = allocate_kv_cache(layout)
-    assert _rss_bytes() - before < nbytes // 16
-    kv[0, 0, :64] = 1.0  # the blocks written are the memory used
-    assert _rss_bytes() - before < nbytes // 8
-    assert kv[0, 0, :64].sum().item() == 64 * 16 * 4 * 64
+    assert _rss_bytes() - before > nbytes * 0.95
+    assert not kv.any()
