@@ -7,42 +7,93 @@ so ``kv[layer, 0]`` is one layer's key cache ``[num_blocks, block_size, kv_heads
 blocks across all layers in one indexing op (what KV transfer sends).
 A token at position ``p`` of a request lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+The pool's memory is backed when it is allocated, not by the steps that first use its blocks. A first write to
+a page traps into the kernel (and, in a VM, often into the host) to back it: on the 2-core bench VM about 4 us a
+page, which put 37 ms of page faults into a 1536-token prefill step's KV writes (1 ms once the pages were
+backed), 7% of the step, paid by every prompt until each block had been used once. vLLM's and SGLang's pools
+pay this at start too (``torch.zeros``); here it runs on a thread of its own while the engine loads its weights
+(``start_kv_cache``), so it costs start-up little of its 0.2-1.5 s per GiB on that VM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import sys
+import threading
 
 import torch
 
 from cluster.dtypes import torch_dtype
 from cluster.kv_layout import KVLayout
 
+#: Linux's madvise advice (5.14+) that backs a range's pages, writable, leaving their content as it is.
+_MADV_POPULATE_WRITE = 23
 
-def allocate_kv_cache(layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Zeroed KV pool, its memory committed: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+class PendingKVCache:
+    """A KV pool whose pages are being backed on a background thread. Nothing may read or write the pool before
+    ``result()`` returns it."""
+
+    def __init__(self, pool: torch.Tensor, mapping: torch.Tensor | None = None):
+        self._pool = pool
+        #: The CPU pool's whole mapping as bytes; None when there is nothing to back (a GPU pool).
+        self._mapping = mapping
+        self._backed_by_kernel = False
+        self._thread: threading.Thread | None = None
+        if mapping is not None:
+            self._thread = threading.Thread(target=self._populate, name="kv-cache-fault-in", daemon=True)
+            self._thread.start()
+
+    def _populate(self) -> None:
+        assert self._mapping is not None
+        self._backed_by_kernel = _populate_writable(self._mapping.data_ptr(), self._mapping.numel())
+
+    def result(self) -> torch.Tensor:
+        """The pool, every page backed. Waits for the background thread."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if not self._backed_by_kernel and self._mapping is not None:
+                # An older kernel or another OS: one write per page (on torch's threads) does it, and as the pool
+                # is all zeros and nobody holds it yet, writing a zero changes nothing.
+                self._mapping[:: mmap.PAGESIZE].zero_()
+        return self._pool
+
+
+def start_kv_cache(layout: KVLayout, device: str | torch.device = "cpu") -> PendingKVCache:
+    """Allocates a zeroed pool, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], and starts backing
+    its memory; ``result()`` returns it once backed, so the caller can do other work meanwhile."""
     shape = layout.blocks_shape(layout.num_blocks)
     dtype = torch_dtype(layout.dtype)
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return PendingKVCache(torch.zeros(shape, dtype=dtype, device=device))
     # On the CPU, from an anonymous mapping: page-aligned (what the kernels want), and zeroed by the kernel as
-    # each page is first written, with no memset of gigabytes beside that.
+    # each page is backed, with no memset of gigabytes beside that.
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    pool = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
-    _fault_in(pool)
-    return pool.view(dtype).view(shape)
+    mapping = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+    return PendingKVCache(mapping.view(dtype).view(shape), mapping)
 
 
-def _fault_in(pool: torch.Tensor) -> None:
-    """Writes one byte of every page of a fresh, all-zero ``pool`` (on torch's threads), so the pages are backed
-    now rather than by the first steps that use their blocks.
+def allocate_kv_cache(layout: KVLayout, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A zeroed pool, its memory backed: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+    return start_kv_cache(layout, device).result()
 
-    A first write to a page traps into the kernel (and, in a VM, often into the host) to back it: on the 2-core
-    bench VM about 4 us a page, which put 37 ms of page faults into a 1536-token prefill step's KV writes (1 ms
-    once the pages were backed), 7% of the step, paid by every prompt until the pool's every block had been used
-    once. Faulting the pool in at start costs 0.2-1.5 s per GiB there, like the ``torch.zeros`` of vLLM's and
-    SGLang's pools; it also makes a pool too large for the machine fail at start instead of under load."""
-    page = mmap.PAGESIZE
-    pool[::page].zero_()  # every page's first byte: the pool is all zeros, so no content changes
+
+def _populate_writable(address: int, nbytes: int) -> bool:
+    """Backs ``nbytes`` of memory at ``address`` with madvise(MADV_POPULATE_WRITE): in the kernel, without
+    holding the GIL (ctypes releases it). False where the kernel or the OS has no such advice."""
+    if nbytes == 0:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from cluster.engine import kv_cache
 from cluster.engine.kv_cache import allocate_kv_cache
 from cluster.kv_layout import KVLayout
 
@@ -33,5 +34,17 @@ def test_a_large_pool_is_backed_when_allocated():
     nbytes = 4 * 2 * 1024 * 16 * 4 * 64 * 4  # 128 MiB
     before = _rss_bytes()
     kv = allocate_kv_cache(layout)
+    assert _rss_bytes() - before > nbytes * 0.95
+    assert not kv.any()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_a_kernel_without_populate_advice_still_gets_a_backed_pool(monkeypatch):
+    # Before Linux 5.14 (and off Linux) madvise cannot back the pages: one write per page does it instead.
+    monkeypatch.setattr(kv_cache, "_populate_writable", lambda address, nbytes: False)
+    layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=1024)
+    nbytes = 2 * 2 * 1024 * 16 * 4 * 64 * 4  # 64 MiB
+    before = _rss_bytes()
+    kv = kv_cache.start_kv_cache(layout).result()
     assert _rss_bytes() - before > nbytes * 0.95
     assert not kv.any()
