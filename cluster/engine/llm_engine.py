@@ -18,7 +18,7 @@ from cluster.engine.block_pool import BlockPool
 from cluster.engine.cpu_features import advise_dtype
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.host_memory import keep_freed_memory_for_reuse, physical_memory_bytes
-from cluster.engine.kv_cache import allocate_kv_cache
+from cluster.engine.kv_cache import start_kv_cache
 from cluster.engine.layer_ops import choose_layer_ops
 from cluster.engine.linear import (
     choose_matmul,
@@ -86,6 +86,13 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.max_model_len = served_context_length(self.model_config, config.max_model_len)
         dtype = torch_dtype(config.dtype)
+        cache = config.cache
+        num_blocks = cache.num_blocks or num_blocks_for_memory(
+            self.model_config, cache.block_size, config.dtype, cache.kv_cache_memory_gb
+        )
+        self.kv_layout = KVLayout.for_model(self.model_config, cache.block_size, config.dtype, num_blocks)
+        # The pool's pages are backed on a thread of its own while the weights load and the kernels are tried.
+        pending_kv_cache = start_kv_cache(self.kv_layout, config.device)
         self.model = load_model(self.model_config, dtype, config.device)
         # Each CPU fast path is tried once here and degrades to the portable one where it fails.
         self.matmul = choose_matmul(dtype, config.device)
@@ -105,13 +112,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        cache = config.cache
-        num_blocks = cache.num_blocks or num_blocks_for_memory(
-            self.model_config, cache.block_size, config.dtype, cache.kv_cache_memory_gb
-        )
-        self.kv_layout = KVLayout.for_model(self.model_config, cache.block_size, config.dtype, num_blocks)
-        # Returned at once: its pages are backed on a thread of its own while the engine starts and serves.
-        self.kv_cache = allocate_kv_cache(self.kv_layout, config.device, wait_until_backed=False)
+        self.kv_cache = pending_kv_cache.result()
         self.block_pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, cache, self.block_pool)
         self.backend = get_attention_backend(config.attention_backend, config.device)

@@ -1,7 +1,6 @@
 """The CPU KV pool: zeroed, shaped, aligned, and its memory backed when it is allocated, not by the first steps."""
 
 import os
-import threading
 
 import pytest
 import torch
@@ -41,31 +40,11 @@ def test_a_large_pool_is_backed_when_allocated():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
 def test_a_kernel_without_populate_advice_still_gets_a_backed_pool(monkeypatch):
-    # Before Linux 5.14 (and off Linux) madvise cannot back the pages: one write per page does it instead,
-    # before the pool is returned, even to a caller that does not wait.
+    # Before Linux 5.14 (and off Linux) madvise cannot back the pages: one write per page does it instead.
     monkeypatch.setattr(kv_cache, "_populate_writable", lambda address, nbytes: False)
     layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=1024)
     nbytes = 2 * 2 * 1024 * 16 * 4 * 64 * 4  # 64 MiB
     before = _rss_bytes()
-    kv = allocate_kv_cache(layout, wait_until_backed=False)
+    kv = kv_cache.start_kv_cache(layout).result()
     assert _rss_bytes() - before > nbytes * 0.95
     assert not kv.any()
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-@pytest.mark.parametrize("block_size", [16, 3])  # blocks of whole pages, and blocks that straddle pages
-def test_a_pool_in_use_keeps_its_content_while_the_background_thread_backs_it(block_size):
-    layout = KVLayout(
-        num_layers=4, num_kv_heads=4, head_dim=64, block_size=block_size, dtype="float32", num_blocks=2048
-    )
-    nbytes = 4 * 2 * 2048 * block_size * 4 * 64 * 4
-    before = _rss_bytes()
-    kv = allocate_kv_cache(layout, wait_until_backed=False)
-    kv[:, :, 5] = 2.0  # the engine writes its first blocks while the backer runs
-    kv[3, 1, 2047] = 3.0
-    for thread in threading.enumerate():
-        if thread.name == "kv-cache-backer":
-            thread.join()
-    assert _rss_bytes() - before > nbytes * 0.95
-    assert kv[:, :, 5].eq(2.0).all() and kv[3, 1, 2047].eq(3.0).all()
-    assert kv.sum().item() == (2.0 * 4 * 2 + 3.0) * block_size * 4 * 64
