@@ -13,7 +13,9 @@ a page traps into the kernel (and, in a VM, often into the host) to back it: on 
 page, which put 37 ms of page faults into a 1536-token prefill step's KV writes (1 ms once the pages were
 backed), 7% of the step, paid by every prompt until each block had been used once. vLLM's and SGLang's pools
 pay this at start too (``torch.zeros``); here it runs on a thread of its own while the engine loads its weights
-(``start_kv_cache``), so it costs start-up little of its 0.2-1.5 s per GiB on that VM.
+(``start_kv_cache``). On that VM the two still slow each other: a 1 GiB pool put about 2 s on the server's time to
+/health. Backing the pool while the engine already served instead cost a first burst 15% of its throughput (it
+backs the whole pool, several times the pages the burst itself touches), so the engine waits for it.
 """
 
 from __future__ import annotations
