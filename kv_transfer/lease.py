@@ -145,17 +145,31 @@ class LeaseTable:
         with self._lock:
             if self._stop.is_set():  # nothing would expire it any more
                 raise LeaseEndedError(f"lease {lease.lease_id} refused: this side is shutting down")
-            if lease.lease_id in self._active or lease.lease_id in self._ended:
+            if lease.lease_id in self._active:
                 raise ValueError(f"lease {lease.lease_id} is already in the table")
+            ended = self._ended.get(lease.lease_id)
+            if ended is not None:  # ended before it began here: its blocks may already be someone else's
+                why = f": {ended.reason}" if ended.reason else ""
+                raise LeaseEndedError(f"lease {lease.lease_id} refused: already {ended.state.name.lower()}{why}")
             self._active[lease.lease_id] = entry
         return entry
 
-    def end(self, lease_id: str, state: LeaseState, reason: str = "") -> LeaseOutcome | None:
+    def end(
+        self, lease_id: str, state: LeaseState, reason: str = "", *, refuse_if_not_begun: bool = False
+    ) -> LeaseOutcome | None:
         """Ends the lease with ``state`` and runs its ``on_end`` once. Idempotent: returns the outcome
-        if this call ended it, None if it had already ended (or is unknown)."""
-        entry = self.get(lease_id)
-        if entry is None:
-            return None
+        if this call ended it, None if it had already ended (or is unknown).
+
+        ``refuse_if_not_begun``: a lease this side has not seen yet is remembered as ended, and a later ``add``
+        of it is refused. The prefill replica ends its sender's lease so when a prefill runs out of time: the
+        send it started on a worker thread (which the timeout cannot stop) may reach ``add`` only afterwards,
+        when the source blocks have been freed and may hold another request's KV."""
+        with self._lock:
+            entry = self._active.get(lease_id)
+            if entry is None:
+                if refuse_if_not_begun and lease_id not in self._ended:
+                    self._remember(LeaseOutcome(lease_id, "", state, reason or "ended before it began"))
+                return None
         with entry.lock:
             return self.end_guarded(entry, state, reason)
 
@@ -176,11 +190,15 @@ class LeaseTable:
         entry.outcome = outcome
         with self._lock:
             self._active.pop(lease.lease_id, None)
-            self._ended[lease.lease_id] = outcome
-            while len(self._ended) > self.max_ended:
-                self._ended.popitem(last=False)
+            self._remember(outcome)
         entry.done.set()
         return outcome
+
+    def _remember(self, outcome: LeaseOutcome) -> None:
+        """Records an ended lease's outcome (the caller holds ``self._lock``); the oldest record goes first."""
+        self._ended[outcome.lease_id] = outcome
+        while len(self._ended) > self.max_ended:
+            self._ended.popitem(last=False)
 
     @contextmanager
     def guard(self, lease_id: str) -> Iterator[LeaseEntry]:

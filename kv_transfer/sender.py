@@ -101,7 +101,7 @@ class KVSender:
             self.leases.add(
                 lease, max(ttl, 0.0), lambda lz, out: release(lz.request_id, src) if release is not None else None
             )
-        except LeaseEndedError:  # this sender is closed: nothing will run the release for us
+        except LeaseEndedError:  # closed, or the lease ended before this send began: nothing else releases
             if release is not None:
                 release(lease.request_id, src)
             raise

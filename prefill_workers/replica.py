@@ -40,13 +40,9 @@ class PrefillWorker:
         self.config = config
         self.engine = engine
         self.replica_id = replica_id
-        # The sender releases the source blocks exactly once; abort is idempotent, so the finally in
-        # ``prefill`` releasing them too is harmless.
-        self.sender = KVSender(
-            PagedKV(engine.engine.kv_cache),
-            release=lambda rid, _ids: self.engine.abort(rid),
-            config=transfer_config(config),
-        )
+        # No release callback: the finally in ``prefill`` frees the source blocks on every path, by the engine
+        # request id of that one attempt (a send the deadline abandoned on its thread must not free a retry's).
+        self.sender = KVSender(PagedKV(engine.engine.kv_cache), config=transfer_config(config))
         self.counters = TransferCounters()
         #: Prompt tokens prefilled (with the engine's busy seconds: this replica's measured throughput).
         self.prompt_tokens = 0
@@ -68,20 +64,23 @@ class PrefillWorker:
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefills ``task`` and pushes its KV. Raises TimeoutError past the task's deadline."""
-        rid = task.request_id
+        engine_rid = engine_request_id(task)
         try:
-            return await asyncio.wait_for(self._prefill(task), timeout=max(0.0, task.deadline - time.time()))
+            return await asyncio.wait_for(
+                self._prefill(task, engine_rid), timeout=max(0.0, task.deadline - time.time())
+            )
         except Exception:  # not CancelledError: the decode side giving up is no failure here
             self._count(transfer_failures=self.counters.transfer_failures + 1)
             raise
         finally:
-            # Stops an in-flight send from gathering blocks we are about to free (local, no RPC: the
-            # decode replica ends its side of the lease itself). No-op after a completed send.
-            self.sender.leases.end(task.lease.lease_id, LeaseState.ABORTED, "prefill ended")
-            self.engine.abort(rid)  # idempotent: releases held blocks on every path
+            # Stops an in-flight send from gathering blocks we are about to free, and refuses one that has not
+            # begun yet (local, no RPC: the decode replica ends its side of the lease itself). No-op after a
+            # completed send.
+            self.sender.leases.end(task.lease.lease_id, LeaseState.ABORTED, "prefill ended", refuse_if_not_begun=True)
+            self.engine.abort(engine_rid)  # idempotent: releases held blocks on every path
 
-    async def _prefill(self, task: PrefillTask) -> PrefillResult:
-        rid = task.request_id
+    async def _prefill(self, task: PrefillTask, engine_rid: str) -> PrefillResult:
+        rid = engine_rid
         arrived_ns = time.time_ns()
         params = dataclasses.replace(task.params, max_tokens=1, stop=(), ignore_eos=True)
         stream = await self.engine.add_request(rid, list(task.prompt_token_ids), params, hold_kv_on_finish=True)
@@ -126,7 +125,7 @@ class PrefillWorker:
         first_lp = out.new_logprobs[0] if out.new_logprobs else None
         first_top = out.new_top_logprobs[0] if out.new_top_logprobs else ()
         return PrefillResult(
-            rid,
+            task.request_id,
             out.new_token_ids[0],
             first_lp,
             self.replica_id,
@@ -172,3 +171,10 @@ class PrefillWorker:
             self.reporter.stop()
         self.sender.close()
         self.engine.shutdown()
+
+
+def engine_request_id(task: PrefillTask) -> str:
+    """The id of one attempt's engine request here. A decode replica retries a failed prefill under the same
+    request id, possibly on this same replica while the failed attempt's output, abort or send are still in
+    flight; an id per attempt keeps each of those on its own attempt."""
+    return f"{task.request_id}#attempt{task.attempt}"

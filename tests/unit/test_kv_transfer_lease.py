@@ -171,3 +171,23 @@ def test_no_lease_is_added_after_close():
     with pytest.raises(LeaseEndedError, match="shutting down"):
         table.add(make_lease(), 10, lambda lease, out: None)
     assert len(table) == 0
+
+
+def test_a_lease_ended_before_it_was_added_is_refused():
+    # The prefill replica ends its sender's lease when a prefill runs out of time; the send it started on a
+    # worker thread may reach ``add`` only afterwards, when the source blocks are free and may be another
+    # request's: it must not begin.
+    table = LeaseTable()
+    calls = []
+    assert table.end("lease-0", LeaseState.ABORTED, "prefill ended", refuse_if_not_begun=True) is None
+    with pytest.raises(LeaseEndedError, match="aborted: prefill ended"):
+        table.add(make_lease(0), 10, lambda lease, out: calls.append(out))
+    assert len(table) == 0 and calls == []
+    assert table.outcome("lease-0").state == LeaseState.ABORTED
+    # another lease is unaffected, and a second end of the unknown one changes nothing
+    table.add(make_lease(1), 10, lambda lease, out: calls.append(out))
+    assert table.end("lease-0", LeaseState.EXPIRED, refuse_if_not_begun=True) is None
+    assert table.outcome("lease-0").reason == "prefill ended"
+    assert len(table) == 1
+    # without the flag an unknown lease's end leaves no record (a late abort of a forgotten lease)
+    assert table.end("lease-2", LeaseState.ABORTED) is None and table.outcome("lease-2") is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from cluster.prefix_hash import hash_full_blocks
 from cluster.serving.config import parse_serve_config
 from cluster.serving.messages import GenerateTask, Route
 from decode_workers.replica import DecodeWorker
+from kv_transfer import LeaseState
 from prefill_workers.replica import PrefillWorker
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -226,3 +228,45 @@ def test_local_route_does_not_touch_prefill(demo_model, expected):
     started, ids, calls, scaling = run(main())
     assert started.route is Route.LOCAL and ids == expected and calls == 0
     assert scaling["remote_prompt_tokens"] == 0  # a LOCAL prompt is the decode pool's work
+
+
+def test_a_timed_out_attempt_cannot_touch_its_retry_on_the_same_prefill_replica(demo_model, expected):
+    """Attempt 0's send is held on its worker thread past the prefill deadline (asyncio's timeout cannot stop a
+    thread); the decode side retries, and attempt 1 runs on the same replica under the same request id. When
+    the held send goes on, it must neither begin (its lease ended with the attempt) nor end attempt 1's
+    request, whose blocks are then being sent."""
+    seen: dict = {}
+    held, zombie_done = threading.Event(), threading.Event()
+
+    async def main():
+        prefill, decode, handle = await make_pair(demo_model, "grpc")
+        real_send = prefill.sender.send
+
+        def send(lease, ids):
+            if "zombie" not in seen:  # attempt 0
+                seen["zombie"] = lease.lease_id
+                held.wait(10)
+                try:
+                    return real_send(lease, ids)
+                finally:
+                    zombie_done.set()
+            held.set()  # attempt 1: the held send goes on and ends before this one starts
+            zombie_done.wait(10)
+            time.sleep(0.3)  # time for an abort it sent to reach the engine thread
+            seen["blocks_held_by_attempt_1"] = prefill.engine.stats().kv_blocks_used
+            return real_send(lease, ids)
+
+        prefill.sender.send = send
+        try:
+            _, ids = await run_to_end(decode, task())
+            await assert_idle(prefill, decode)
+            return ids, decode.stats(), handle.calls, prefill.sender.leases.outcome(seen["zombie"])
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+
+    ids, stats, calls, zombie = run(main())
+    assert ids == expected and calls == 2
+    assert (stats.transfers.prefill_retries, stats.transfers.transfers) == (1, 1)
+    assert seen["blocks_held_by_attempt_1"] == 5  # PROMPT's 5 blocks, still attempt 1's
+    assert zombie.state == LeaseState.ABORTED and zombie.reason == "prefill ended"  # refused, never begun
