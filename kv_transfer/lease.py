@@ -161,7 +161,7 @@ class LeaseTable:
         if this call ended it, None if it had already ended (or is unknown).
 
         ``refuse_if_not_begun``: a lease this side has not seen yet is remembered as ended, and a later ``add``
-        of it is refused. The prefill replica ends its sender's lease so when a prefill runs out of time: the
+        of it is refused. The prefill replica ends its sender's leases this way when a prefill runs out of time: the
         send it started on a worker thread (which the timeout cannot stop) may reach ``add`` only afterwards,
         when the source blocks have been freed and may hold another request's KV."""
         with self._lock:
