@@ -9,11 +9,12 @@ A token at position ``p`` of a request lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
 The pool's memory is backed when it is allocated, not by the steps that first use its blocks. A first write to
-a page traps into the kernel (and, in a VM, often into the host) to back it: on the 2-core bench VM about 4 us a
-page, which put 37 ms of page faults into a 1536-token prefill step's KV writes (1 ms once the pages were
-backed), 7% of the step, paid by every prompt until each block had been used once. vLLM's and SGLang's pools
-pay this at start too (``torch.zeros``); here it runs on a thread of its own while the engine loads its weights
-(``start_kv_cache``). On that VM the two still slow each other: a 1 GiB pool put about 2 s on the server's time to
+a page traps into the kernel (and, in a VM, often into the host) to back it, and the block pool hands out
+never-used blocks first, so every prompt paid for its blocks' pages until each block had been used once:
+``python -m bench.kv_first_touch`` times a 1536-token prefill step both ways (on the 2-core bench VM the step's KV
+writes took several times as long, and the step 5% longer, on pages not yet backed). vLLM's and SGLang's pools pay
+for this at start too (``torch.zeros``); here it runs on a thread of its own while the engine loads its weights
+(``start_kv_cache``). The two still slow each other: on that VM a 1 GiB pool put about 2 s on the server's time to
 /health. Backing the pool while the engine already served instead cost a first burst 15% of its throughput (it
 backs the whole pool, several times the pages the burst itself touches), so the engine waits for it.
 """

@@ -29,7 +29,7 @@ def test_pool_is_zeroed_writable_and_shaped(dtype):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
 def test_a_large_pool_is_backed_when_allocated():
-    # The first steps must not pay the pool's page faults (7% of a long prefill step on the bench VM).
+    # The first steps must not pay the pool's page faults (python -m bench.kv_first_touch).
     layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32", num_blocks=1024)
     nbytes = 4 * 2 * 1024 * 16 * 4 * 64 * 4  # 128 MiB
     before = _rss_bytes()
