@@ -33,8 +33,6 @@ PROMPTS = 4
 
 
 def worker(side: str, prompt_len: int, kv_gib: float) -> dict:
-    import torch
-
     from bench.engine_throughput import BENCH_SPEC, greedy
     from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, default_block_size
     from cluster.engine import kv_cache
@@ -44,7 +42,6 @@ def worker(side: str, prompt_len: int, kv_gib: float) -> dict:
     model_dir = ensure_demo_model(MODEL_DIR, BENCH_SPEC)
     if side == "unbacked":
         kv_cache._populate_writable = lambda address, nbytes: True  # skip the backing
-    torch.set_num_threads(2)
     block_size = default_block_size("cpu")
     start = time.perf_counter()
     engine = LLMEngine(

@@ -79,8 +79,8 @@ class PrefillWorker:
             self.sender.leases.end(task.lease.lease_id, LeaseState.ABORTED, "prefill ended", refuse_if_not_begun=True)
             self.engine.abort(engine_rid)  # idempotent: releases held blocks on every path
 
-    async def _prefill(self, task: PrefillTask, engine_rid: str) -> PrefillResult:
-        rid = engine_rid
+    async def _prefill(self, task: PrefillTask, rid: str) -> PrefillResult:
+        """``rid``: this attempt's engine request id (``engine_request_id``)."""
         arrived_ns = time.time_ns()
         params = dataclasses.replace(task.params, max_tokens=1, stop=(), ignore_eos=True)
         stream = await self.engine.add_request(rid, list(task.prompt_token_ids), params, hold_kv_on_finish=True)
