@@ -7,8 +7,9 @@
 // team (torch's threads). An item walks its context token by token, each token's heads one run of
 // memory, as the hardware prefetchers stream best (reading it head by head instead, a 1 KiB stride,
 // was clearly slower once the cache was out of L3):
-//   scores: each head's dot product with a token as D/16 vector FMAs, kept as a vector of partial
-//           sums; every 16 tokens one shuffle tree sums each head's 16 vectors across lanes;
+//   scores: each head's dot product with a token as D/W vector FMAs (W floats a vector, vec.h), kept
+//           as a vector of partial sums; every W tokens one shuffle tree sums each head's W vectors
+//           across lanes;
 //   softmax over the whole context (a row of at most max_model_len floats per head);
 //   out:    P . V token by token into per-head accumulators in L1.
 
@@ -43,26 +44,7 @@ struct Args {
   int max_len;
 };
 
-// lane i of the result = the sum of p[i]'s lanes.
-inline vf sum_lanes_16(const vf* p) {
-  typedef int32_t mask __attribute__((vector_size(64)));
-  vf q[8], r[4], s[2];
-  for (int i = 0; i < 8; ++i)
-    q[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], mask{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(p[2 * i], p[2 * i + 1],
-                             mask{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-  for (int i = 0; i < 4; ++i)
-    r[i] = __builtin_shuffle(q[2 * i], q[2 * i + 1], mask{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-           __builtin_shuffle(q[2 * i], q[2 * i + 1],
-                             mask{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-  for (int i = 0; i < 2; ++i)
-    s[i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], mask{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-           __builtin_shuffle(r[2 * i], r[2 * i + 1], mask{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-  return __builtin_shuffle(s[0], s[1], mask{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-         __builtin_shuffle(s[0], s[1], mask{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
-}
-
-// The rows of 16 consecutive tokens (all KV heads of each) from token t0, in the cache cache.
+// The rows of W consecutive tokens (all KV heads of each) from token t0, in the cache cache.
 inline int tile_rows(const Args& a, const float* cache, const int32_t* table, int len, int t0, int64_t token_stride,
                      const float** rows) {
   const int n = len - t0 < W ? len - t0 : W;
@@ -74,12 +56,12 @@ inline int tile_rows(const Args& a, const float* cache, const int32_t* table, in
   return n;
 }
 
-// One item: sequence s, KV heads [h0, h1) and their query heads. Token-major: each tile of 16 tokens
+// One item: sequence s, KV heads [h0, h1) and their query heads. Token-major: each tile of W tokens
 // is read from memory once, all of the item's heads over it, so the cache is streamed in order.
-template <int NV>
+template <int D>
 void run_item(const Args& a, int s, int h0, int h1, float* scores, int64_t scores_stride, float* qbuf, float* acc,
               float* pbuf) {
-  constexpr int D = NV * W;
+  constexpr int NV = D / W;
   const int len = a.seq_lens[s], group = a.heads / a.kv_heads;
   const int n_heads = (h1 - h0) * group;  // query heads of the item, from query head h0 * group on
   const int64_t token_stride = static_cast<int64_t>(a.kv_heads) * D;
@@ -87,8 +69,8 @@ void run_item(const Args& a, int s, int h0, int h1, float* scores, int64_t score
   const float* q_row = a.query + s * a.q_row_stride + h0 * group * D;
   for (int j = 0; j < n_heads * D; j += W) store(qbuf + j, load(q_row + j) * splat(a.scale));
   const float* rows[W];
-  // Scores, 16 keys at a time, token by token (each token's heads are one run of memory): every head's
-  // dot product with the token as a vector of partial sums, then each head's 16 summed across lanes.
+  // Scores, W keys at a time, token by token (each token's heads are one run of memory): every head's
+  // dot product with the token as a vector of partial sums, then each head's W summed across lanes.
   vf* part = reinterpret_cast<vf*>(pbuf);  // [n_heads][W]
   for (int t0 = 0; t0 < len; t0 += W) {
     const int n = tile_rows(a, a.k_cache, table, len, t0, token_stride, rows);
@@ -110,7 +92,7 @@ void run_item(const Args& a, int s, int h0, int h1, float* scores, int64_t score
         }
       }
     }
-    for (int j = 0; j < n_heads; ++j) store(scores + j * scores_stride + t0, sum_lanes_16(part + j * W));
+    for (int j = 0; j < n_heads; ++j) store(scores + j * scores_stride + t0, sum_lanes(part + j * W));
   }
   // Softmax of each head's row, left unnormalised: the output is scaled by 1 / sum at the end.
   float inv[64];
@@ -155,9 +137,8 @@ void run_item(const Args& a, int s, int h0, int h1, float* scores, int64_t score
     for (int c = 0; c < NV; ++c) store(out + j * D + c * W, load(acc + j * D + c * W) * splat(inv[j]));
 }
 
-template <int NV>
+template <int D>
 void worker(const Args& a, std::atomic<int>& next, std::atomic<int>& failed) {
-  constexpr int D = NV * W;
   const int64_t len = (a.max_len + W - 1) / W * W;
   const int max_heads = a.heads;  // an item holds at most all of a sequence's query heads
   float* scores = static_cast<float*>(aligned_alloc(64, max_heads * len * sizeof(float)));
@@ -169,7 +150,7 @@ void worker(const Args& a, std::atomic<int>& next, std::atomic<int>& failed) {
   } else {
     for (int k = next.fetch_add(1); k < a.n_items; k = next.fetch_add(1)) {
       const int32_t* item = a.items + 3 * k;
-      run_item<NV>(a, item[0], item[1], item[2], scores, len, qbuf, acc, pbuf);
+      run_item<D>(a, item[0], item[1], item[2], scores, len, qbuf, acc, pbuf);
     }
   }
   free(scores);
@@ -191,22 +172,22 @@ int decode_attention_f32(const float* query, int64_t q_row_stride, const float* 
   const Args a{query,   q_row_stride, k_cache, v_cache,  block_tables, table_stride, seq_lens, items,
                n_items, heads,        kv_heads, block_size, scale,     out,          max_len};
   std::atomic<int> next{0}, failed{0};
-  if (head_dim % W != 0 || head_dim / W < 1 || head_dim / W > 8 || heads > 64) return -2;
+  if (head_dim % 16 != 0 || head_dim < 16 || head_dim > 128 || heads > 64) return -2;
   int64_t keys = 0;  // a small step's items run on the calling thread: a parallel region costs more
   for (int k = 0; k < n_items; ++k) keys += static_cast<int64_t>(seq_lens[items[3 * k]]) * (items[3 * k + 2] - items[3 * k + 1]);
   if (keys * head_dim < SERIAL_MAX_ELEMENTS) n_threads = 1;
   if (n_threads > n_items) n_threads = n_items;
   if (n_threads < 1) n_threads = 1;
 #pragma omp parallel num_threads(n_threads)
-  switch (head_dim / W) {
-    case 1: worker<1>(a, next, failed); break;
-    case 2: worker<2>(a, next, failed); break;
-    case 3: worker<3>(a, next, failed); break;
-    case 4: worker<4>(a, next, failed); break;
-    case 5: worker<5>(a, next, failed); break;
-    case 6: worker<6>(a, next, failed); break;
-    case 7: worker<7>(a, next, failed); break;
-    default: worker<8>(a, next, failed); break;
+  switch (head_dim / 16) {
+    case 1: worker<16>(a, next, failed); break;
+    case 2: worker<32>(a, next, failed); break;
+    case 3: worker<48>(a, next, failed); break;
+    case 4: worker<64>(a, next, failed); break;
+    case 5: worker<80>(a, next, failed); break;
+    case 6: worker<96>(a, next, failed); break;
+    case 7: worker<112>(a, next, failed); break;
+    default: worker<128>(a, next, failed); break;
   }
   return failed ? -1 : 0;
 }

@@ -42,6 +42,9 @@ inline void scale_row(const float* x, const float* weight, float inv, int64_t n,
 
 extern "C" {
 
+// Floats per vector in this build (vec.h): 16 with AVX-512, 8 with AVX2, 4 otherwise.
+int vector_floats() { return W; }
+
 // out[r] = RMSNorm(x[r]) * weight for rows x hidden; rows x_stride / out_stride floats apart.
 void rms_norm_f32(const float* x, int64_t rows, int64_t hidden, int64_t x_stride, const float* weight, float eps,
                   float* out, int64_t out_stride, int n_threads) {

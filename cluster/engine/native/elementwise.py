@@ -30,7 +30,15 @@ def load() -> ctypes.CDLL:
     lib.add_rms_norm_f32.restype = None
     lib.rotary_qk_f32.argtypes = [p, i64, i64, p, i32, i32, p, p, i64, i32]
     lib.rotary_qk_f32.restype = i32
+    lib.vector_floats.argtypes = []
+    lib.vector_floats.restype = i32
     return lib
+
+
+def vector_floats() -> int:
+    """Floats per vector the kernels were built with: one register of the host's widest (16 with AVX-512, 8 with
+    AVX2, 4 otherwise). Raises KernelUnavailable."""
+    return load().vector_floats()
 
 
 def _rows_of_floats(x: torch.Tensor, what: str) -> None:

@@ -5,11 +5,12 @@
 // Why it exists: torch's CPU flash attention reaches ~55-65 GFLOP/s on the 2-core CI machine
 // (its block matmuls go through a BLAS that runs AVX2 code on AMD CPUs), so at skewed-64's prompt
 // lengths attention took ~19% of a prefill step. The two products here are written as register
-// tiles over GCC vector types (16 floats: one AVX-512 register, two AVX2 ones):
+// tiles over GCC vector types (W floats, one register of the host's widest: vec.h), sized so that a
+// tile's accumulators and operands fit the CPU's vector registers:
 //   scores = q . K^T : MR query rows x NR keys; K packed once per work item, transposed, in panels of
-//                      NR keys, so each step of the D loop reads NR/16 vectors in order and broadcasts
-//                      MR query values for MR*NR/16 FMAs;
-//   out    = P . V   : MR query rows x 64 output dims over V packed as [keys][D].
+//                      NR keys, so each step of the D loop reads NR/W vectors in order and broadcasts
+//                      MR query values for MR*NR/W FMAs;
+//   out    = P . V   : MR query rows x DV vectors of output dims over V packed as [keys][D].
 // A work item is (sequence, KV head, a range of query rows), packing its keys from the paged cache
 // (through the block table) once for the whole group of query heads; the threads of an OpenMP team
 // take items off a shared counter (the caller orders them longest first).
@@ -30,8 +31,11 @@ namespace {
 using namespace shapeserve_vec;
 
 constexpr int MR = 6;        // query rows per tile
-constexpr int NR = 2 * W;    // keys per score tile
-constexpr int DV = 4;        // output vectors per P.V pass (64 dims)
+constexpr int NR = 2 * W;    // keys per score tile: MR x 2 accumulators + 2 K vectors + 1 broadcast
+// Output vectors per P.V pass: MR x DV accumulators + DV V vectors + 1 broadcast within the registers
+// (4 with AVX-512's 32, 2 with AVX2's 16).
+constexpr int DV = (VREGS - 1) / (MR + 1);
+static_assert(MR * (NR / W) + NR / W + 1 <= VREGS, "the score tile must fit the vector registers");
 
 struct Args {
   const float* query;      // [tokens, heads, D] rows q_row_stride floats apart
