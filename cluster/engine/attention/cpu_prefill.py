@@ -2,8 +2,8 @@
 
 torch's CPU flash attention (what ``sdpa`` calls) runs its block products through a BLAS that
 takes AVX2 code on AMD CPUs; ``native/prefill_attention.cc`` writes the two products as register
-tiles over 16-float vectors, reads K/V through the block table where they lie (no gather, no
-padding, no mask tensors), and covers every prefill chunk of a step in one call per layer, on the
+tiles over vectors as wide as the host's registers, reads K/V through the block table where they
+lie (no gather, no padding, no mask tensors), and covers every prefill chunk of a step in one call per layer, on the
 engine's threads (``python -m bench.prefill_attention`` times it against SDPA: ~2x at skewed-64's
 prompts on the 2-core CI machine).
 
@@ -28,7 +28,7 @@ from cluster.engine import native
 #: Query rows per work item: small enough that a long prompt's rows spread over the threads, large
 #: enough that packing its keys (once per item) stays a small share of the item's work.
 ROWS_PER_ITEM = 256
-#: The vector width the kernel is written in; head sizes must be a multiple of it.
+#: Head sizes must be a multiple of this: the widest vector the kernel builds with (16 floats, AVX-512).
 VECTOR_FLOATS = 16
 
 

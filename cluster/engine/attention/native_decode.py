@@ -2,7 +2,7 @@
 
 It does what ``cpu_decode`` (numba) does, one query token per sequence against its cached context
 read through the block table, on torch's own OpenMP threads, with the dot products as vector FMAs
-summed across lanes sixteen keys at a time; ``python -m bench.kernels --device cpu --torch-only``
+summed across lanes a vector's width of keys at a time; ``python -m bench.kernels --device cpu --torch-only``
 times both. ``TorchAttentionBackend`` takes it where it builds and agrees with the reference, else
 numba's, else SDPA.
 
@@ -19,7 +19,7 @@ import torch
 
 from cluster.engine import native
 
-#: Head sizes the kernel is instantiated for: 16 to 128, in steps of its 16-float vector.
+#: Head sizes the kernel is instantiated for: 16 to 128, in steps of 16 (whole vectors at any width it builds for).
 HEAD_DIMS = tuple(range(16, 129, 16))
 #: Query heads per layer the kernel's scratch is sized for.
 MAX_HEADS = 64

@@ -2,12 +2,12 @@
 
 The CPU kernels that torch's own ops run slowly on the machines we serve from (prefill and decode
 attention over the paged cache, the norms, rotary and SiLU x up of a layer, the KV cache write) are
-written here over 16-float GCC vectors
-(``vec.h``) and compiled with the host's C++ compiler for the host's CPU (``-march=native``: the
-same source gives AVX-512 code where the CPU has it). Each source is built once per source, header,
-compiler and CPU into ``SHAPESERVE_KERNEL_CACHE`` (default ``~/.cache/shapeserve/kernels``), renamed
-into place so replicas starting together never load half a file, and found there by the next process
-(~0.4 s to build on the 2-core CI machine; a load from the cache takes milliseconds).
+written here over GCC vectors as wide as one register of the host (``vec.h``: 16 floats with
+AVX-512, 8 with AVX2, 4 otherwise) and compiled with the host's C++ compiler for the host's CPU
+(``-march=native``). Each source is built once per source, header, compiler and CPU into
+``SHAPESERVE_KERNEL_CACHE`` (default ``~/.cache/shapeserve/kernels``), renamed into place so replicas
+starting together never load half a file, and found there by the next process (~0.4 s to build on the
+2-core CI machine; a load from the cache takes milliseconds).
 
 Their parallel loops are OpenMP regions linked against ``libgomp.so.1``, the runtime torch has
 already loaded, so they run on the calling thread's OpenMP team, the same threads as the matmuls
