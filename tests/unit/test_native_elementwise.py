@@ -38,7 +38,7 @@ def _x86_flags() -> set[str]:
 )
 def test_the_kernels_vectors_are_one_register_of_this_cpu():
     """16-float vectors on a CPU with AVX2 only took two registers each: the kernels' register tiles spilled and
-    their lane shuffles ran element by element (the engine at 0.6x its speed without them)."""
+    their lane shuffles ran element by element (the engine's skewed-64 burst at 0.55x; docs/benchmarks.md)."""
     flags = _x86_flags()
     assert elementwise.vector_floats() == (16 if "avx512f" in flags else 8 if "avx" in flags else 4)
 

@@ -4,8 +4,9 @@
 // Why the width follows the CPU: the kernels keep tiles of vectors in registers. Written in 16-float
 // vectors on a CPU with AVX2 only (16 registers of 8 floats), each vector took two registers, the
 // tiles no longer fitted and spilled to the stack, and lane shuffles were lowered element by element:
-// on an AMD EPYC with AVX2 the prefill kernel ran 14x slower than torch's SDPA and the engine at 0.6x
-// its speed without these kernels (python -m bench.engine_throughput, SHAPESERVE_NATIVE_KERNELS=0/1).
+// on an AMD EPYC with AVX2 the prefill kernel took 10x the time of the SDPA path (bench.kernels) and
+// the engine's skewed-64 burst 0.55x the throughput of this build (bench.compare_engines
+// --baseline-rev; docs/benchmarks.md, "Host-built kernels on a CPU with AVX2 only").
 #pragma once
 
 #include <stddef.h>
