@@ -3,8 +3,8 @@
 torch's CPU flash attention (what ``sdpa`` calls) runs its block products through a BLAS that
 takes AVX2 code on AMD CPUs; ``native/prefill_attention.cc`` writes the two products as register
 tiles over vectors as wide as the host's registers, reads K/V through the block table where they
-lie (no gather, no padding, no mask tensors), and covers every prefill chunk of a step in one call per layer, on the
-engine's threads (``python -m bench.prefill_attention`` times it against SDPA: ~2x at skewed-64's
+lie (no gather, no padding, no mask tensors), and covers every prefill chunk of a step in one call
+per layer, on the engine's threads (``python -m bench.prefill_attention`` times it against SDPA: ~2x at skewed-64's
 prompts on the 2-core CI machine).
 
 Built by ``cluster.engine.native`` when an engine starts. Where there is no compiler, or the build

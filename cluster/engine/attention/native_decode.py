@@ -2,8 +2,8 @@
 
 It does what ``cpu_decode`` (numba) does, one query token per sequence against its cached context
 read through the block table, on torch's own OpenMP threads, with the dot products as vector FMAs
-summed across lanes a vector's width of keys at a time; ``python -m bench.kernels --device cpu --torch-only``
-times both. ``TorchAttentionBackend`` takes it where it builds and agrees with the reference, else
+summed across lanes a vector's width of keys at a time; ``python -m bench.kernels --device cpu
+--torch-only`` times both. ``TorchAttentionBackend`` takes it where it builds and agrees with the reference, else
 numba's, else SDPA.
 
 Torch reference: ``cluster.engine.attention.paged_decode_attention_ref``.
