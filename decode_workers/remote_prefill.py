@@ -26,7 +26,7 @@ from typing import Any
 
 from cluster.engine.llm_engine import RemoteKVReservation
 from cluster.serving import tracing
-from cluster.serving.async_engine import AsyncEngine
+from cluster.serving.async_engine import AsyncEngine, OutputStream
 from cluster.serving.config import TimeoutConfig
 from cluster.serving.messages import GenerateTask, PrefillResult, PrefillTask, Route
 from kv_transfer import KVReceiver, Lease, LeaseState
@@ -54,6 +54,7 @@ class RemotePrefill:
         self,
         task: GenerateTask,
         engine: AsyncEngine,
+        stream: OutputStream,
         receiver: KVReceiver,
         prefill_pool: Any,
         timeouts: TimeoutConfig,
@@ -61,6 +62,8 @@ class RemotePrefill:
     ):
         self.task = task
         self.engine = engine
+        #: The request's stream, opened by the caller: a local prefill's outputs go there too.
+        self.stream = stream
         self.receiver = receiver
         #: Serve handle of the prefill pool: ``prefill_pool.prefill.remote(PrefillTask)``.
         self.prefill_pool = prefill_pool
@@ -84,7 +87,7 @@ class RemotePrefill:
                 break
             await asyncio.sleep(0.02)
         self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
-        await self.engine.add_request(rid, prompt, task.params)
+        await self.engine.add_request(rid, prompt, task.params, stream=self.stream)
         return False
 
     async def run(self) -> Route:

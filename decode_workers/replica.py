@@ -95,7 +95,7 @@ class DecodeWorker:
         remote = None
         if task.route is Route.REMOTE and self.prefill is not None and self.receiver is not None:
             timeouts = self.config.timeouts
-            remote = RemotePrefill(task, self.engine, self.receiver, self.prefill, timeouts, self.block_size)
+            remote = RemotePrefill(task, self.engine, stream, self.receiver, self.prefill, timeouts, self.block_size)
         spans = RequestSpans(task.trace_context)
         try:
             if remote is not None and await remote.reserve():
@@ -105,7 +105,7 @@ class DecodeWorker:
                 await remote.run()
             else:
                 if remote is None:
-                    await self.engine.add_request(rid, list(task.prompt_token_ids), task.params)
+                    await self.engine.add_request(rid, list(task.prompt_token_ids), task.params, stream=stream)
                 yield Started(Route.LOCAL, self.replica_id)
             while True:
                 batch = (await stream.get(), *stream.get_ready())

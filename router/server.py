@@ -517,7 +517,9 @@ class RequestRun:
         if trace is not None:
             trace.run_started()
         task = GenerateTask(
-            request_id=f"{rid}-{uuid.uuid4().hex[:6]}",
+            # Unique per choice whatever the client's X-Request-Id (clients and proxies may send one id for many
+            # requests): 48 random bits, so ids of requests in flight together never meet on a decode replica.
+            request_id=f"{rid}-{uuid.uuid4().hex[:12]}",
             prompt_token_ids=plan.prompt_token_ids,
             params=plan.params,
             route=plan.route,

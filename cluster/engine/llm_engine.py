@@ -173,8 +173,11 @@ class LLMEngine:
     # ---- disaggregation ------------------------------------------------------------------------
 
     def held_kv_blocks(self, request_id: str) -> list[int]:
-        """Block ids holding a finished ``hold_kv_on_finish`` request's prompt KV."""
+        """Block ids holding a finished ``hold_kv_on_finish`` request's prompt KV. Raises for a request still
+        running: its blocks are not all written yet, and sending them would hand out a half-computed prompt."""
         req = self.requests[request_id]
+        if not req.is_finished:
+            raise RuntimeError(f"request {request_id!r} has not finished its prefill; its KV is not complete yet")
         return list(req.block_ids[: -(-req.num_prompt_tokens // self.kv_layout.block_size)])
 
     def release_kv(self, request_id: str) -> None:

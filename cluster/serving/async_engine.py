@@ -35,6 +35,10 @@ class EngineDead(RuntimeError):
     """The engine thread stopped or failed under this request; it cannot finish."""
 
 
+class RequestIdInUse(RuntimeError):
+    """A stream is already open under this engine request id: the request that holds it keeps it."""
+
+
 class OutputStream:
     """One request's outputs on the event loop, in order; ``get()`` raises what ended it abnormally."""
 
@@ -146,19 +150,35 @@ class AsyncEngine:
 
     def open_stream(self, request_id: str) -> OutputStream:
         """Where ``request_id``'s outputs go, from the next step on. Open it before the request enters the
-        engine, so an output of the very next step is not missed; ``abort`` (or the last output) closes it."""
+        engine, so an output of the very next step is not missed; ``abort`` (or the last output) closes it.
+
+        Raises ``RequestIdInUse`` while another stream is open under the id: replacing it would take the
+        outputs of a request already accepted away from its client (callers make ids unique per request)."""
+        if request_id in self._streams:
+            raise RequestIdInUse(f"engine request id {request_id!r} is already streaming")
         stream = self._streams[request_id] = OutputStream(request_id)
         return stream
 
     async def add_request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, hold_kv_on_finish: bool = False
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        hold_kv_on_finish: bool = False,
+        stream: OutputStream | None = None,
     ) -> OutputStream:
-        """Opens the request's stream (or reuses the one already open) and adds the request to the engine."""
-        stream = self._streams.get(request_id) or self.open_stream(request_id)
+        """Adds the request to the engine, its outputs going to ``stream`` (from ``open_stream(request_id)``) or,
+        when None, to a stream opened here, which a failure here closes again."""
+        opened_here = stream is None
+        if stream is None:
+            stream = self.open_stream(request_id)
+        elif self._streams.get(request_id) is not stream:
+            raise ValueError(f"the stream given is not the one open for {request_id!r}")
         try:
             await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish))
         except BaseException:
-            self._streams.pop(request_id, None)
+            if opened_here and self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             raise
         return stream
 

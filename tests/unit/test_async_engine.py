@@ -10,7 +10,7 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.serving.async_engine import AsyncEngine
+from cluster.serving.async_engine import AsyncEngine, OutputStream, RequestIdInUse
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -107,6 +107,52 @@ def test_call_propagates_errors_and_leaves_no_stream(demo_model):
             ae.shutdown()
 
     assert asyncio.run(main()) == {}
+
+
+def test_a_second_request_under_a_running_ones_id_leaves_the_running_one_whole(demo_model):
+    """An id already streaming is refused, whichever way the second request comes in: the first request keeps its
+    stream and finishes with every token (before, the second one's failure closed the first one's stream)."""
+    want = make_engine(demo_model).generate([[5, 6, 7, 8]], GREEDY)[0]["token_ids"]
+
+    async def main():
+        ae = await AsyncEngine.launch(lambda: make_engine(demo_model))
+        try:
+            first = await ae.add_request("same", [5, 6, 7, 8], GREEDY)
+            with pytest.raises(RequestIdInUse, match="'same'"):
+                await ae.add_request("same", [9, 10, 11], GREEDY)
+            with pytest.raises(RequestIdInUse):
+                ae.open_stream("same")
+            with pytest.raises(ValueError, match="not the one open"):
+                await ae.add_request("same", [9, 10, 11], GREEDY, stream=OutputStream("same"))
+            got = await drain(first)
+            # finished: the id is free again
+            again = await drain(await ae.add_request("same", [5, 6, 7, 8], GREEDY))
+            return got, again, ae.stats()
+        finally:
+            ae.shutdown()
+
+    got, again, stats = asyncio.run(main())
+    assert got == want and again == want
+    assert stats.active_requests == 0 and stats.kv_blocks_used == 0
+
+
+def test_a_stream_opened_before_a_failed_add_stays_with_its_opener(demo_model):
+    """A caller that opened the stream itself (the decode replica) closes it with ``abort``; a failed add leaves
+    it open for that, and a stream ``add_request`` opened itself is closed on failure."""
+
+    async def main():
+        ae = await AsyncEngine.launch(lambda: make_engine(demo_model))
+        try:
+            stream = ae.open_stream("mine")
+            with pytest.raises(Exception, match="empty"):
+                await ae.add_request("mine", [], GREEDY, stream=stream)
+            still_open = "mine" in ae._streams
+            ae.abort("mine")
+            return still_open, dict(ae._streams)
+        finally:
+            ae.shutdown()
+
+    assert asyncio.run(main()) == (True, {})
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")

@@ -1,5 +1,6 @@
 """Sampling: greedy, temperature, top-k, top-p, seeds, logprobs; stop conditions through the engine."""
 
+import dataclasses
 import math
 
 import pytest
@@ -125,7 +126,8 @@ def test_seeded_request_continues_identically_after_remote_prefill(demo_model):
     local = LLMEngine(engine_config(demo_model, num_blocks=64)).generate([prompt], params)[0]["token_ids"]
 
     prefill = LLMEngine(engine_config(demo_model, num_blocks=64))
-    prefill.add_request("r", prompt, params, hold_kv_on_finish=True)
+    # As the prefill replica does: one token, then the finished request's blocks are held for the transfer.
+    prefill.add_request("r", prompt, dataclasses.replace(params, max_tokens=1), hold_kv_on_finish=True)
     first = [t for o in prefill.step() for t in o.new_token_ids]
     decode = LLMEngine(engine_config(demo_model, num_blocks=64))
     res = decode.reserve_remote_kv("r", prompt, params)
@@ -136,6 +138,18 @@ def test_seeded_request_continues_identically_after_remote_prefill(demo_model):
     while decode.has_unfinished_requests():
         tokens += [t for o in decode.step() for t in o.new_token_ids]
     assert tokens == local
+
+
+def test_held_kv_blocks_of_a_request_still_running_are_refused(demo_model):
+    """Only a finished prefill's blocks are whole: asking for a running request's is a caller's bug, not a send."""
+    engine = LLMEngine(engine_config(demo_model, num_blocks=64))
+    engine.add_request("r", list(range(40, 60)), SamplingParams(max_tokens=4, ignore_eos=True), hold_kv_on_finish=True)
+    engine.step()  # prefilled, 3 tokens to go
+    with pytest.raises(RuntimeError, match="has not finished its prefill"):
+        engine.held_kv_blocks("r")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.held_kv_blocks("r")) == 2  # 20 prompt tokens in 16-token blocks
 
 
 def test_top_logprobs_are_each_rows_most_likely_tokens_under_the_raw_distribution():
