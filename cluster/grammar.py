@@ -4,6 +4,11 @@
 alternation for a choice); ``check_structured`` is the edge's 400 for a schema or pattern llguidance cannot
 compile. The engine builds its per-request matchers from the same text (``cluster.engine.structured``).
 No torch here: the HTTP edge imports this.
+
+Compiling runs on the edge's event loop and on the engine's thread, where every other request waits for it, and
+its cost grows with the spec (100,000 choices took ~9 s to check and ~9 s more in the engine). So a spec is
+bounded in size before anything compiles it, and llguidance runs under one set of limits (``PARSER_LIMITS``) at
+the edge and in the engine alike.
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ if TYPE_CHECKING:
 
 from cluster.config import StructuredOutput
 from cluster.errors import InvalidRequestError
+
+#: The largest spec (schema JSON, pattern, grammar text, the JSON list of choices) a request may send, in bytes:
+#: ~20,000 choices of 20 characters, which check in ~0.1 s here; a schema llguidance finds too large past it is
+#: refused by llguidance itself.
+MAX_SPEC_BYTES = 512 * 1024
+
+#: llguidance's defaults, without the parser state in error messages (they reach the client, and the state dump
+#: is llguidance's internals, not something a client can act on).
+PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 #: JSON without free whitespace between tokens: still any valid JSON value of the schema, but a model cannot
 #: spend its max_tokens on blank lines (a known failure of flexible-whitespace JSON grammars). A schema may
@@ -41,12 +55,18 @@ def grammar_for(structured: StructuredOutput) -> str:
     if structured.kind == "grammar":
         # vLLM's guided_grammar takes llama.cpp's GBNF (xgrammar) or Lark (guidance): both are read here.
         try:
-            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(structured.spec))
+            lark = any_to_lark(structured.spec)
         except GbnfToLarkError as e:
             raise ValueError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the converter raises a bare Exception for e.g. no 'root' rule
+            raise ValueError(str(e) or type(e).__name__) from None
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     choices = json.loads(structured.spec)
-    # Lark string literals take JSON's escapes, so any choice text is written exactly.
-    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    # One terminal, not one rule per choice: the lexer matches the alternation, where a rule's alternatives all
+    # sit in one parser row, which llguidance caps at 2000 items (more choices failed at the first token), and
+    # which compiled ~10x slower. Lark string literals take JSON's escapes, so any choice text is written exactly.
+    alternatives = " | ".join(json.dumps(c) for c in choices)
+    return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
 
 
 def check_structured(structured: StructuredOutput | None, field: str | None = None) -> None:
@@ -54,9 +74,16 @@ def check_structured(structured: StructuredOutput | None, field: str | None = No
     llguidance would refuse the grammar."""
     if structured is None:
         return
+    name = field or request_field(structured)
+    size = len(structured.spec.encode())
+    if size > MAX_SPEC_BYTES:
+        raise InvalidRequestError(
+            f"the {name} is {size} bytes; at most {MAX_SPEC_BYTES} are accepted (a smaller schema, pattern or list "
+            "of choices compiles in bounded time)",
+            name,
+        )
     problem = _problem(structured)
     if problem is not None:
-        name = field or _field(structured)
         raise InvalidRequestError(f"the {name} cannot be compiled: {problem}", name)
 
 
@@ -64,12 +91,17 @@ def check_structured(structured: StructuredOutput | None, field: str | None = No
 def _problem(structured: StructuredOutput) -> str | None:
     try:
         grammar = grammar_for(structured)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=PARSER_LIMITS)
     except (ValueError, TypeError) as e:
         return str(e)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except BaseException as e:  # noqa: BLE001 - a Rust panic in llguidance arrives as pyo3's PanicException,
+        if type(e).__name__ != "PanicException":  # a BaseException: the spec broke the compiler, not the server
+            raise
+        return f"llguidance could not compile it ({str(e).splitlines()[0] if str(e) else 'panic'})"
     return "; ".join(messages).strip() if is_error else None
 
 
-def _field(structured: StructuredOutput) -> str:
+def request_field(structured: StructuredOutput) -> str:
+    """The request field a constraint of this kind usually comes from (errors name it)."""
     names = {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex"}
     return names.get(structured.kind, "guided_grammar" if structured.kind == "grammar" else "guided_choice")

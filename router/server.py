@@ -554,6 +554,8 @@ class RequestRun:
             async for batch in self.stream:
                 assert not isinstance(batch, Started)
                 last = batch[-1]
+                if last.error is not None and last.error_param is not None:  # its own input failed it mid-output
+                    raise APIError(400, last.error, "invalid_request_error", last.error_param or None)
                 if last.error is not None:  # the engine failed on this request (only this one)
                     self.s.metrics.errors.labels("500").inc()
                     raise APIError(

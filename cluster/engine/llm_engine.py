@@ -66,6 +66,9 @@ class RequestOutput:
     #: With the first output token, when this engine computed the prompt: the wall-clock time (``time.time()``)
     #: of the request's first step here (its wait in this engine's queue ends there; tracing reads it).
     first_scheduled_at: float | None = None
+    #: Set with ``error`` when the request's own input is at fault (its grammar could not go on): the field a
+    #: 400 names ("" for none). None: the engine failed (a 500).
+    error_param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,8 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_token_ids),
             num_cached_tokens=req.num_cached_tokens,
-            error=f"{type(error).__name__}: {error}",
+            error=str(error) if isinstance(error, InvalidRequestError) else f"{type(error).__name__}: {error}",
+            error_param=(error.param or "") if isinstance(error, InvalidRequestError) else None,
         )
 
     def _postprocess(self, sched_out: SchedulerOutput, run_out: RunnerOutput) -> list[RequestOutput]:

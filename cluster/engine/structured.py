@@ -17,9 +17,15 @@ import torch
 
 from cluster.config import StructuredOutput
 from cluster.errors import InvalidRequestError
-from cluster.grammar import check_structured, grammar_for
+from cluster.grammar import PARSER_LIMITS, check_structured, grammar_for, request_field
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarFailed(InvalidRequestError):
+    """The request's grammar could not go on mid-output: it hit one of llguidance's limits, or the other sampling
+    settings (``min_tokens``, ``logit_bias``, ...) left no token it allows. The request's input is at fault, not
+    the engine: the client gets a 400 naming ``param``."""
 
 
 @dataclass
@@ -29,6 +35,8 @@ class RequestGrammar:
 
     matcher: llguidance.LLMatcher
     vocab_size: int
+    #: The request field the constraint came from, for the 400 when the grammar fails mid-output.
+    param: str = "response_format"
 
 
 class GrammarMatchers:
@@ -38,9 +46,11 @@ class GrammarMatchers:
         self._hf_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
 
-    def matcher(self, structured: StructuredOutput) -> RequestGrammar:
-        """A fresh matcher at the start of the output; InvalidRequestError when the grammar cannot be used."""
-        check_structured(structured)
+    def matcher(self, structured: StructuredOutput, param: str | None = None) -> RequestGrammar:
+        """A fresh matcher at the start of the output; InvalidRequestError (naming ``param``, by default the
+        field of the constraint's kind) when the grammar cannot be used."""
+        param = param or request_field(structured)
+        check_structured(structured, param)
         if self._tokenizer is None:
             try:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
@@ -49,10 +59,10 @@ class GrammarMatchers:
                     f"structured output needs the model's fast tokenizer (tokenizer.json); this one failed: {e}",
                     "response_format",
                 ) from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar_for(structured))
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_for(structured), limits=PARSER_LIMITS)
         if matcher.is_error():
-            raise InvalidRequestError(f"the grammar cannot be used: {matcher.get_error()}", "response_format")
-        return RequestGrammar(matcher, self._tokenizer.vocab_size)
+            raise InvalidRequestError(f"the {param} cannot be used: {_error_of(matcher)}", param)
+        return RequestGrammar(matcher, self._tokenizer.vocab_size, param)
 
 
 def mask_logits(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> None:
@@ -78,7 +88,20 @@ def mask_logits(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None])
 
 
 def consume(grammar: RequestGrammar, token: int) -> bool:
-    """Advances the matcher past ``token``; True when the grammar is now complete (the output must end)."""
-    if not grammar.matcher.consume_token(token):
-        raise RuntimeError(f"the grammar matcher refused token {token}: {grammar.matcher.get_error()}")
-    return grammar.matcher.is_stopped()
+    """Advances the matcher past ``token``; True when the grammar is now complete (the output must end).
+    Raises ``GrammarFailed`` when it cannot go on."""
+    matcher = grammar.matcher
+    # A limit hit while computing this token's mask leaves the matcher in error before the token is offered.
+    if matcher.is_error() or not matcher.consume_token(token):
+        error = _error_of(matcher)
+        hint = ""
+        if "doesn't satisfy" in error:  # llguidance's words for a token outside the mask: the mask left the
+            # sampler nothing, because the request's other settings excluded every token the grammar allows
+            hint = "; min_tokens, logit_bias or bad words exclude every token it allows here: relax one of them"
+        raise GrammarFailed(f"the {grammar.param} cannot go on: {error}{hint}", grammar.param)
+    return matcher.is_stopped()
+
+
+def _error_of(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error, without the marker llguidance appends where verbose errors are off."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()

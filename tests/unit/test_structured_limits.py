@@ -1,0 +1,93 @@
+"""Structured-output specs that are large, or that fail only once the output has begun, through the HTTP edge in
+front of a real decode worker: each is served, or refused with a 400 naming its field, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from cluster.grammar import MAX_SPEC_BYTES
+from cluster.serving.config import parse_serve_config
+from decode_workers.replica import DecodeWorker
+from router.server import OpenAIServer
+
+
+def serve(demo_model, bodies: list[dict]) -> list[httpx.Response]:
+    """Posts each body to /v1/completions, one after the other, on one in-process server (a real engine)."""
+
+    async def main() -> list[httpx.Response]:
+        pool = {"num_cpus": 0, "num_blocks": 64, "num_threads": 1}
+        cfg = parse_serve_config({"device": "cpu", "prefill": pool, "decode": pool})
+        worker = await DecodeWorker.start(cfg, str(demo_model))
+        server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
+        transport = httpx.ASGITransport(app=server.asgi_app())
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://edge", timeout=60) as client:
+                answers = []
+                for body in bodies:
+                    answers.append(await client.post("/v1/completions", json={"model": "demo", "prompt": "hi", **body}))
+                assert worker.engine.stats().kv_blocks_used == 0  # every request's blocks freed, failed ones too
+                return answers
+        finally:
+            worker.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_thousands_of_choices_are_served(demo_model):
+    """llguidance caps a grammar rule at 2000 alternatives: choices written as one rule each failed at the first
+    token with a 500 from 2000 choices on; as one terminal they are served."""
+    choices = [f"option number {i}" for i in range(3000)]
+    (answer,) = serve(demo_model, [{"guided_choice": choices, "max_tokens": 12, "temperature": 0}])
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] in choices
+
+
+@pytest.mark.parametrize(
+    ("constraint", "param", "message"),
+    [
+        # past llguidance's lexer limit once the first token is consumed
+        ({"guided_regex": "a{1000000}"}, "guided_regex", "too many expressions"),
+        # past the parser's item limit a token later
+        ({"guided_grammar": 'root ::= "a"{99999999}'}, "guided_grammar", "Too many items"),
+        # the grammar allows only the end, min_tokens forbids it
+        ({"guided_choice": [""], "min_tokens": 1}, "guided_choice", "min_tokens"),
+    ],
+)
+def test_a_grammar_that_fails_mid_output_is_a_400_naming_its_field(demo_model, constraint, param, message):
+    plain, streamed, after = serve(
+        demo_model,
+        [
+            {**constraint, "max_tokens": 4},
+            {**constraint, "max_tokens": 4, "stream": True},
+            {"max_tokens": 2},  # the engine goes on serving
+        ],
+    )
+    assert plain.status_code == 400, plain.text
+    error = plain.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and message in error["message"]
+    assert "<non-verbose/>" not in error["message"]
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    ended_with = json.loads(events[-2] if events[-1] == "[DONE]" else events[-1])
+    assert ended_with["error"]["param"] == param and ended_with["error"]["code"] in (400, "400", None)
+    assert after.status_code == 200
+
+
+def test_a_gbnf_grammar_without_a_root_rule_is_a_400(demo_model):
+    """The GBNF converter raises a bare Exception for it, which reached the client as a 500."""
+    (answer,) = serve(demo_model, [{"guided_grammar": 'foo ::= "a"', "max_tokens": 2}])
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "guided_grammar" and "root" in error["message"]
+
+
+def test_a_spec_past_the_size_limit_is_refused_before_it_is_compiled(demo_model):
+    """100,000 choices took ~9 s to check on the event loop, where every stream of the replica waited for it."""
+    choices = [f"value {i:08d}" for i in range(MAX_SPEC_BYTES // 14)]
+    (answer,) = serve(demo_model, [{"guided_choice": choices, "max_tokens": 2}])
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "guided_choice" and f"at most {MAX_SPEC_BYTES}" in error["message"]
