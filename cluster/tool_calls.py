@@ -109,16 +109,27 @@ def constraint(mode: ToolMode) -> StructuredOutput | None:
         tool = next(t for t in mode.tools if t.function.name == mode.name)
         return StructuredOutput.from_schema(_parameters(tool))
     if mode.kind == "required":
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"enum": [t.function.name]}, "parameters": _parameters(t)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for t in mode.tools
-        ]
+        # Each function's parameters sit deep inside the array's schema, so their local references ("#/$defs/X",
+        # "#") would resolve against the array: such parameters move to the array's own $defs, references rewritten.
+        defs: dict[str, Any] = {}
+        calls = []
+        for i, t in enumerate(mode.tools):
+            parameters = _parameters(t)
+            if _has_ref(parameters):
+                key = f"tool{i}"  # per tool: two tools' own "$defs/Unit" stay apart
+                defs[key] = _relocated(parameters, f"#/$defs/{key}", t.function.name)
+                parameters = {"$ref": f"#/$defs/{key}"}
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"enum": [t.function.name]}, "parameters": parameters},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if defs:
+            array["$defs"] = defs
         if not mode.parallel:
             array["maxItems"] = 1
         return StructuredOutput.from_schema(array)
@@ -195,3 +206,65 @@ def _arguments_text(text: str) -> str:
 
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
+
+
+#: Keywords whose value is data, not a schema: a "$ref" key inside them is no reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+#: Keywords whose value maps names (which may be any string, "enum" included) to schemas.
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+
+
+def _has_ref(node: Any, names: bool = False) -> bool:
+    """Whether schema ``node`` (a map of names to schemas when ``names``) holds a "$ref"."""
+    if isinstance(node, list):
+        return any(_has_ref(v) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if names:
+        return any(_has_ref(v) for v in node.values())
+    return any(
+        (k == "$ref" and isinstance(v, str)) or (k not in _DATA_KEYWORDS and _has_ref(v, k in _SCHEMA_MAPS))
+        for k, v in node.items()
+    )
+
+
+def _relocated(schema: dict[str, Any], base: str, tool: str) -> dict[str, Any]:
+    """``schema`` (a tool's parameters) to be placed at JSON pointer ``base``: its local references ("#" and
+    "#/...") rewritten to point under ``base``. InvalidRequestError naming the tool for references that cannot be
+    rewritten (another document, an anchor, under a nested "$id"): refusing beats a constraint that means
+    something else. Does not modify ``schema``."""
+
+    def walk(node: Any, root: bool) -> Any:
+        if isinstance(node, list):
+            return [walk(v, False) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k == "$id" and isinstance(v, str):
+                if root:
+                    continue  # the parameters' own document: its "#..." references are rewritten below
+                raise _unmovable(tool, f'a nested "$id" ({v})')
+            if k == "$ref" and isinstance(v, str):
+                if v != "#" and not v.startswith("#/"):
+                    raise _unmovable(tool, f"the reference {v!r}")
+                out[k] = base + v[1:]
+            elif k in _DATA_KEYWORDS:
+                out[k] = v
+            elif k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: walk(sub, False) for name, sub in v.items()}
+            else:
+                out[k] = walk(v, False)
+        return out
+
+    return walk(schema, True)
+
+
+def _unmovable(tool: str, what: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f'tool {tool!r}: tool_choice "required" cannot combine these parameters with the other tools because of '
+        f'{what}; use local "#/$defs/..." references',
+        "tools",
+    )

@@ -8,17 +8,19 @@ import json
 from collections.abc import AsyncGenerator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from cluster.config import StructuredOutput
-from cluster.engine.llm_engine import RequestOutput
+from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.errors import InvalidRequestError
 from cluster.serving.config import parse_serve_config
 from cluster.serving.messages import GenerateTask, Route, Started
 from cluster.tokenizer import load_tokenizer
 from cluster.tool_calls import NamedToolChoice, Tool, parse_output, tool_mode
 from router.server import OpenAIServer
+from tests.helpers import engine_config
 
 WEATHER = {
     "type": "function",
@@ -203,3 +205,83 @@ async def _forced(demo_model):
         ]
         with pytest.raises(openai.BadRequestError, match="not JSON"):
             await api.chat.completions.create(model="m", messages=bad_args)
+
+
+# Parameters as pydantic's model_json_schema() writes them (here with extra="forbid"): named types under $defs,
+# used through "$ref". The second tool's "Unit" (legacy "definitions") is another type under the same name.
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "title": "Unit", "type": "string"}},
+            "additionalProperties": False,
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["unit"],
+            "title": "Forecast",
+            "type": "object",
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "definitions": {"Unit": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "additionalProperties": False,
+            "properties": {"unit": {"$ref": "#/definitions/Unit"}, "again": {"$ref": "#/properties/unit"}},
+            "required": ["unit", "again"],
+            "type": "object",
+        },
+    },
+}
+
+
+class EngineWorker:
+    """Runs each task on a real CPU engine (random weights), so the output is what the task's grammar allows."""
+
+    replica_id = "engine"
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    async def generate(self, task: GenerateTask) -> AsyncGenerator[Started | tuple[RequestOutput, ...], None]:
+        yield Started(Route.LOCAL, self.replica_id)
+        out = self.engine.generate([list(task.prompt_token_ids)], task.params)[0]
+        ids, n = tuple(out["token_ids"]), len(task.prompt_token_ids)
+        yield (RequestOutput(task.request_id, ids, out["text"], (), True, out["finish_reason"], n, len(ids), 0),)
+
+    def check_health(self) -> None:
+        pass
+
+
+def test_required_tools_with_defs_refs_give_calls_that_obey_them(demo_model):
+    asyncio.run(_required_with_refs(demo_model))
+
+
+async def _required_with_refs(demo_model):
+    client, api = edge(demo_model, EngineWorker(LLMEngine(engine_config(demo_model, num_blocks=64))))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, ALARM)}
+
+    def check(calls) -> str:
+        (call,) = calls  # parallel_tool_calls=False: one call
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        return call.function.name
+
+    async with client:
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60}
+        ask |= {"tools": [FORECAST, ALARM], "tool_choice": "required", "parallel_tool_calls": False}
+        names = set()
+        for seed in range(4):
+            out = await api.chat.completions.create(**ask, seed=seed)
+            assert out.choices[0].finish_reason == "tool_calls", out.choices[0].message.content
+            names.add(check(out.choices[0].message.tool_calls))
+        assert names == {"get_forecast", "set_alarm"}  # each tool's own "Unit", neither the other's
+        chunks = [c async for c in await api.chat.completions.create(**ask, seed=0, stream=True)]
+        assert check([tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []])
+        # a reference that cannot be moved with its tool: a 400 naming the tool, never a constraint that drifts
+        other = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "other.json#/Unit"}}}
+        with pytest.raises(openai.BadRequestError, match="tool 'f'") as e:
+            await api.chat.completions.create(**(ask | {"tools": [FORECAST, other]}))
+        assert e.value.body["param"] == "tools"
