@@ -7,9 +7,20 @@ one that the server cannot honour (``best_of``, ``suffix``) is a 400 naming it. 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from cluster.config import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from cluster.errors import InvalidRequestError
@@ -19,6 +30,19 @@ from cluster.tool_calls import NamedToolChoice, Tool, ToolChoice, ToolMode, cons
 
 #: Most choices one request may ask for: ``n`` x the number of prompts (each is a sequence in the engine).
 MAX_CHOICES = 64
+
+
+def _refuse_bool(v: Any) -> Any:
+    # pydantic's lax mode reads JSON true as 1; a boolean where a count belongs is a client bug to report, not a 1.
+    if isinstance(v, bool):
+        raise ValueError(f"must be an integer, not a boolean ({str(v).lower()})")
+    return v
+
+
+#: An integer field: a boolean is refused, a whole-number float (``2.0``) is still taken, as OpenAI does.
+Integer = Annotated[int, BeforeValidator(_refuse_bool)]
+#: A token id: an integer as JSON writes one, nothing converted (not ``true``, ``5.0`` or ``"5"``).
+TokenId = StrictInt
 
 
 class JSONSchemaFormat(BaseModel):
@@ -102,30 +126,30 @@ class _CommonRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Integer | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: Integer = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Integer | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # shapeserve extensions
-    top_k: int = 0
+    top_k: Integer = 0
     ignore_eos: bool = False
     return_token_ids: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    priority: Integer = 0
     # Sampling extensions of vLLM's (and OpenAI's logit_bias), applied in the engine's batched sampler.
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Integer = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     #: vLLM's: each prompt token's logprob (from the second on) with this many alternatives per position.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Structured output: OpenAI's response_format, or one of vLLM's guided_* extras (at most one constraint).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -170,6 +194,14 @@ class _CommonRequest(BaseModel):
             raise ValueError("prompt_logprobs are not available when stream is true; send stream false")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_only_streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI and vLLM: options for a stream that will not happen are the client's mistake, not a no-op.
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true; remove it or set stream true")
+        return v
+
     @field_validator("n")
     @classmethod
     def _choices_bounded(cls, v: int) -> int:
@@ -183,6 +215,10 @@ class _CommonRequest(BaseModel):
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The field the client gave the output budget in (errors about it name that one)."""
+        return "max_tokens"
 
     def _want_logprobs(self) -> bool:
         return False
@@ -272,7 +308,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 class CompletionRequest(_CommonRequest):
     #: A text or token ids, or a list of them (one choice per prompt, x ``n``); a list of one is unwrapped.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     #: Completions' logprobs: the number of alternatives per position (0: the sampled token's logprob only).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -288,6 +324,9 @@ class CompletionRequest(_CommonRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, v: Any) -> Any:
+        tokens = [t for p in v for t in (p if isinstance(p, list) else [p])] if isinstance(v, list) else []
+        if any(isinstance(t, bool) for t in tokens):  # said here: the union's own error would ask for a string
+            raise ValueError("token ids must be integers, not booleans")
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
             v = v[0]
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
@@ -354,15 +393,33 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, path: str = "content") -> str:
+        """The content as one text; ValueError naming the part (``path``: where the content is, for the message)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
-        for part in self.content:
+        for k, part in enumerate(self.content):
             if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
-            parts.append(str(part.get("text", "")))
+                raise ValueError(f"{path}[{k}]: content part type {part.get('type')!r} is not supported (text only)")
+            text = part.get("text")
+            if not isinstance(text, str):  # str() would put "None" or a dict's repr into the prompt
+                got = _json_type(text) if "text" in part else "nothing"
+                raise ValueError(f"{path}[{k}].text must be a string, got {got}")
+            parts.append(text)
         return "".join(parts)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, as a client wrote it."""
+    names = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        list: "an array",
+        dict: "an object",
+    }
+    return names.get(type(value), type(value).__name__)
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -370,13 +427,13 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     ``tool_calls`` (arguments as an object: templates write them with ``tojson``) and a tool turn's
     ``tool_call_id``; InvalidRequestError for a content part that is not text."""
     try:
-        return [_template_message(m) for m in messages]
+        return [_template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     except ValueError as e:
         raise InvalidRequestError(str(e), "messages") from None
 
 
-def _template_message(m: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+def _template_message(m: ChatMessage, path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.text(f"{path}.content")}
     if m.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _args(c.function)}}
@@ -402,9 +459,9 @@ def _args(function: _CalledFunction) -> Any:
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
@@ -412,6 +469,9 @@ class ChatCompletionRequest(_CommonRequest):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def tool_mode(self, parser: str | None) -> ToolMode:
         """How this request uses tools with the server's ``--tool-call-parser`` (InvalidRequestError when it
@@ -472,7 +532,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[TokenId] = Field(max_length=1_000_000)
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -502,16 +562,36 @@ class APIError(Exception):
         return error_response(self.message, self.err_type, self.param, self.code)
 
 
+#: What pydantic puts in an error's ``loc`` for the member of a union it tried (``str``, ``list[int]``,
+#: ``NamedToolChoice``, ``literal[...]``): never a field a client wrote (this API's fields are snake_case).
+_UNION_MEMBER = re.compile(r"str|int|float|bool|none|[A-Z].*|.*[^A-Za-z0-9_].*")
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """``loc`` as the client wrote the field: ``messages[0].role``, ``response_format.json_schema.schema``."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _UNION_MEMBER.fullmatch(part):
+            path += f".{part}" if path else part
+    return path
+
+
 def from_validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 that names the field."""
+    """The first pydantic error as a 400: ``param`` is the top-level field, the message names the exact one
+    (``tools[0].function``: the top-level field alone would point at one the client did send)."""
     err = e.errors()[0]
-    # Union members add their type name to ``loc``; the first element is the field a user wrote.
     param = str(err["loc"][0]) if err["loc"] else None
+    path = _field_path(err["loc"]) or param
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"].startswith("int_parsing") and not isinstance(err["input"], str):
+        # pydantic says "Unable to parse input string" of a number too large (1e308) for an integer.
+        msg = f"must be an integer, got {err['input']!r}"
     if err["type"] == "missing":
-        msg = f"missing required field {param!r}"
-    elif param is not None:
-        msg = f"invalid value for {param!r}: {msg}"
+        msg = f"missing required field {path!r}"
+    elif path is not None:
+        msg = f"invalid value for {path!r}: {msg}"
     else:
         msg = f"invalid request: {msg}"
     return APIError(400, msg, "invalid_request_error", param, err["type"])

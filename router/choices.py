@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def sequence_seed(seed: int, j: int) -> int:
+    """Sequence j's seed: ``seed + j``, wrapped within the signed 64-bit range the engine takes (sequence 0 keeps
+    the client's seed, so its choice is the one an n=1 request with that seed gets)."""
+    return (seed + j + 2**63) % 2**64 - 2**63
+
+
 async def _all_or_none(coros: Sequence[Awaitable[T]]) -> list[T]:
     """Every result, or the first exception once the others are cancelled and have finished cancelling."""
     tasks = [asyncio.ensure_future(c) for c in coros]

@@ -45,6 +45,14 @@ def user_error(e: ShapeserveError) -> APIError:
     return APIError(e.http_status, e.message, e.error_type, e.param, e.code)
 
 
+def _as_sent(e: ShapeserveError, budget_field: str) -> ShapeserveError:
+    """``e`` naming the output budget as the client sent it: the engine calls it ``max_tokens``, a chat client
+    may have sent ``max_completion_tokens``."""
+    if e.param != "max_tokens" or budget_field == "max_tokens":
+        return e
+    return type(e)(e.message.replace("max_tokens", budget_field), budget_field, e.code)
+
+
 def default_max_tokens(kind: str, num_prompt_tokens: int, limits: ModelLimits) -> int:
     """OpenAI's defaults: 16 for completions, the rest of the context for chat."""
     return 16 if kind == "completion" else max(1, limits.max_model_len - num_prompt_tokens)
@@ -70,7 +78,7 @@ def plan_request(
         params.check_vocab(limits.vocab_size)
         check_prompt(prompt, params.max_tokens, limits.vocab_size, limits.max_model_len)
     except ShapeserveError as e:
-        raise user_error(e) from None
+        raise user_error(_as_sent(e, request.max_tokens_field())) from None
     bs = config.block_tokens
     hashes = tuple(hash_full_blocks(prompt, bs))
     # A request scoring its prompt computes all of it (the engine does not read it from the prefix cache).

@@ -4,6 +4,11 @@ The client's ``X-Request-Id`` when it sends a usable one (as vLLM takes it), els
 request, else a new one. The id is written into Serve's request context, which Serve's log formatter reads:
 every log line written while serving the request, in this process and in the prefill replica it calls
 (Serve passes the context along with a handle call), carries it as ``request_id``.
+
+Serve takes its request id, and the ``x-request-id`` response header it adds, from the client's header as it
+is, before this app runs. ``serve_http_middlewares`` (installed through Serve's
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``, which ``shapeserve serve`` sets) replaces an unusable header
+first, so Serve's id, its header, the response body and the logs all carry the replacement.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ import uuid
 from dataclasses import dataclass
 
 from ray.serve import context as serve_context
+from starlette.datastructures import MutableHeaders
+from starlette.middleware import Middleware
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 #: What an id may look like: short, and nothing a log line or a header could be confused by.
 _USABLE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -36,12 +44,37 @@ def is_retry(request: Request) -> bool:
     return count.isdigit() and int(count) > 0
 
 
+def _new_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
 def request_id(request: Request) -> str:
+    # Serve's id is the client's header when one was sent: an unusable header must not come back through it.
     given = request.headers.get("x-request-id", "")
-    if _USABLE.fullmatch(given):
-        base = given
-    else:
-        base = serve_context._get_serve_request_context().request_id or uuid.uuid4().hex[:24]
+    from_serve = serve_context._get_serve_request_context().request_id or ""
+    base = next((i for i in (given, from_serve) if _USABLE.fullmatch(i)), None) or _new_id()
     # Private to Serve, but it is the context its log filter reads (ray.serve._private.logging_utils).
     serve_context._set_request_context(request_id=base)
     return base
+
+
+class UsableRequestIdMiddleware:
+    """Replaces an unusable ``x-request-id`` request header with a new id before the app (and Serve's own
+    request-id middleware, inside this one) reads it. Modifies only the request's headers."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = MutableHeaders(scope=scope)
+            given = headers.get("x-request-id")
+            if given is not None and not _USABLE.fullmatch(given):
+                headers["x-request-id"] = _new_id()
+        await self.app(scope, receive, send)
+
+
+def serve_http_middlewares() -> list[Middleware]:
+    """Serve's HTTP callback (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): the middlewares Serve puts outside
+    its own, in its proxy and in a direct-ingress replica."""
+    return [Middleware(UsableRequestIdMiddleware)]

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.config import ModelConfig, served_context_length
 from cluster.errors import ShapeserveError
@@ -316,11 +317,18 @@ class OpenAIServer:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            # The client went away mid-body: not a server error. 499, as Serve answers a client that disconnects
+            # while its request runs (nobody reads it; Serve's access log and metrics count it as such).
+            raise APIError(
+                499, "the client disconnected before sending the whole request body", code="client_disconnected"
+            ) from None
         return b"".join(chunks)
 
     def _check_model(self, model: str) -> str:
@@ -445,7 +453,7 @@ class OpenAIServer:
                         trace.admission(admitting, error=e.message)
                         raise
                     if j and plan.params.seed is not None:
-                        params = dataclasses.replace(plan.params, seed=(plan.params.seed + j) % 2**64)
+                        params = dataclasses.replace(plan.params, seed=choices.sequence_seed(plan.params.seed, j))
                         plan = dataclasses.replace(plan, params=params)
                     runs.append(RequestRun(self, kind, req, rid, plan, arrival, model_name, i * req.n + j, trace))
             trace.admission(admitting, {"shapeserve.sequences": len(runs)})

@@ -192,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
                 os.environ.setdefault(key, value)  # the user's own value wins
     if own_ray:
         os.environ.update(ARENA_ENV)  # every process of our local Ray: see cluster.engine.host_memory
+        # Serve's proxy and direct-ingress replicas read it: an unusable X-Request-Id is replaced before Serve takes
+        # it as the request's id and response header (router.request_ids). A user's own callback wins.
+        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "router.request_ids.serve_http_middlewares")
     metrics_port = args.ray_metrics_port
     if own_ray and not port_is_free("0.0.0.0", metrics_port):
         print(f"note: port {metrics_port} is taken; Ray's metrics endpoint takes another one", flush=True)
