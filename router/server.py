@@ -174,8 +174,9 @@ class OpenAIServer:
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/version", self.version, methods=["GET"])
-        app.add_api_route("/ping", self.health, methods=["GET", "POST"])  # vLLM's (and SageMaker's) probe
-        app.add_api_route("/health", self.health, methods=["GET"])
+        # HEAD too: load balancers that probe with it (HAProxy's default check) would read a 405 as "down".
+        app.add_api_route("/ping", self.health, methods=["GET", "HEAD", "POST"])  # vLLM's (and SageMaker's) probe
+        app.add_api_route("/health", self.health, methods=["GET", "HEAD"])
         app.add_api_route("/metrics", self.metrics_page, methods=["GET"])
         app.add_api_route("/admin/pools", self.admin_pools, methods=["GET"])
         if self.config.api_key:

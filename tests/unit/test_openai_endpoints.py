@@ -128,6 +128,8 @@ async def _tokenize_and_detokenize(demo_model):
         )
         assert (await client.get("/version")).json()["version"]
         assert (await client.post("/ping")).status_code == 200
+        # Load balancers that probe with HEAD (AWS ALB/NLB allow it, HAProxy's default check uses it)
+        assert (await client.head("/health")).status_code == 200 and (await client.head("/ping")).status_code == 200
 
 
 def test_serve_flags_for_names_and_key(demo_model, monkeypatch):
