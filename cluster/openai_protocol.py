@@ -266,6 +266,16 @@ class _CommonRequest(BaseModel):
         check_structured(structured, name)  # the 400 names the field the client sent
         return structured
 
+    def constrains_output(self) -> bool:
+        """Whether a field asks for an output constraint (cheap: nothing is compiled)."""
+        fields = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar, self.structured_outputs)
+        return self.response_format is not None or any(f is not None for f in fields)
+
+    def output_constraint(self) -> StructuredOutput | None:
+        """The one output constraint the request sets, compiled and checked (InvalidRequestError naming its field).
+        The compile is cached: ``sampling_params`` finds it done."""
+        return self._structured()
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's params; raises InvalidRequestError naming the bad field."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -478,9 +488,15 @@ class ChatCompletionRequest(_CommonRequest):
         cannot be served)."""
         return tool_mode(self.tools, self.tool_choice, parser, self.parallel_tool_calls)
 
+    def constrains_output(self) -> bool:
+        return super().constrains_output() or self._forces_tool_call()
+
+    def _forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
     def _structured(self) -> StructuredOutput | None:
         own = super()._structured()
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        forced = self._forces_tool_call()
         if not forced:
             return own
         if own is not None:

@@ -79,15 +79,16 @@ class RemotePrefill:
         task = self.task
         rid, prompt = task.request_id, list(task.prompt_token_ids)
         give_up = time.time() + self.timeouts.reserve_timeout_s
+        grammar = await self.engine.grammar(task.params)  # once: a refused reservation leaves it unused
         while True:
-            self.reservation = await self.engine.reserve_remote_kv(rid, prompt, task.params)
+            self.reservation = await self.engine.reserve_remote_kv(rid, prompt, task.params, grammar)
             if self.reservation is not None:
                 return True
             if time.time() >= give_up:
                 break
             await asyncio.sleep(0.02)
         self.outcome = dataclasses.replace(self.outcome, route=Route.LOCAL)
-        await self.engine.add_request(rid, prompt, task.params, stream=self.stream)
+        await self.engine.add_request(rid, prompt, task.params, stream=self.stream, grammar=grammar)
         return False
 
     async def run(self) -> Route:

@@ -386,6 +386,11 @@ class OpenAIServer:
         )
         try:
             retrying = identity.retrying
+            if req.constrains_output():
+                # A large grammar takes seconds to compile (llguidance drops the GIL meanwhile): on a worker thread,
+                # not on this loop, where every stream of the replica would wait. The plan's check finds it cached.
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._tokenize_pool, _user_errors, req.output_constraint)
             if len(prompts) > 1 or req.n > 1:
                 return await self._serve_choices(kind, req, prompts, model_name, rid, arrival, trace, retrying)
             return await self._serve_one(kind, req, prompts[0], model_name, rid, arrival, trace, retrying)

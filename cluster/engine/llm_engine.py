@@ -31,7 +31,7 @@ from cluster.engine.model_runner import ModelRunner, RunnerOutput, SampledToken
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
-from cluster.engine.structured import GrammarMatchers, consume
+from cluster.engine.structured import GrammarMatchers, RequestGrammar, consume
 from cluster.engine.weights import load_model
 from cluster.errors import InvalidRequestError
 from cluster.grammar import check_structured
@@ -143,18 +143,25 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv_on_finish: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv_on_finish: bool = False,
+        grammar: RequestGrammar | None = None,
     ) -> None:
-        self._admit(request_id, prompt_token_ids, params, hold_kv_on_finish)
+        """``grammar``: the request's fresh matcher, built beforehand off the engine's thread
+        (``self.grammars.matcher``); None builds it here."""
+        self._admit(request_id, prompt_token_ids, params, hold_kv_on_finish, grammar)
         self.scheduler.add(self.requests[request_id])
 
-    def _admit(self, request_id, prompt_token_ids, params, hold_kv_on_finish=False) -> Request:
+    def _admit(self, request_id, prompt_token_ids, params, hold_kv_on_finish=False, grammar=None) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, hold_kv_on_finish=hold_kv_on_finish)
         if params.structured is not None:
-            req.matcher = self.grammars.matcher(params.structured)
+            req.matcher = grammar or self.grammars.matcher(params.structured)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         return req
@@ -188,13 +195,19 @@ class LLMEngine:
         self.abort_request(request_id)
 
     def reserve_remote_kv(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        grammar: RequestGrammar | None = None,
     ) -> RemoteKVReservation | None:
+        """``grammar`` as in ``add_request``; a caller that tries again after None may pass the same one (it is
+        untouched until a reservation succeeds)."""
         if params.prompt_logprobs is not None:
             raise InvalidRequestError(
                 "a request asking for prompt_logprobs is prefilled where it decodes: route it LOCAL", "prompt_logprobs"
             )
-        req = self._admit(request_id, prompt_token_ids, params)
+        req = self._admit(request_id, prompt_token_ids, params, grammar=grammar)
         if not self.scheduler.reserve_remote(req):
             del self.requests[request_id]
             del self._detok[request_id]

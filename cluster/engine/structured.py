@@ -8,6 +8,7 @@ cost nothing: the step looks for none and moves on.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,25 +41,29 @@ class RequestGrammar:
 
 
 class GrammarMatchers:
-    """Builds matchers for one engine's tokenizer (the tokenizer's token table is built on first use)."""
+    """Builds matchers for one engine's tokenizer (the tokenizer's token table is built on first use). Safe to call
+    from any thread: a large grammar takes seconds to build, and llguidance drops the GIL meanwhile, so the serving
+    engine builds matchers on a worker thread, not on the thread that steps (``AsyncEngine.grammar``)."""
 
     def __init__(self, tokenizer):
         self._hf_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
 
     def matcher(self, structured: StructuredOutput, param: str | None = None) -> RequestGrammar:
         """A fresh matcher at the start of the output; InvalidRequestError (naming ``param``, by default the
         field of the constraint's kind) when the grammar cannot be used."""
         param = param or request_field(structured)
         check_structured(structured, param)
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
-            except Exception as e:  # noqa: BLE001 - llguidance reads a fast tokenizer's JSON only
-                raise InvalidRequestError(
-                    f"structured output needs the model's fast tokenizer (tokenizer.json); this one failed: {e}",
-                    "response_format",
-                ) from None
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+                except Exception as e:  # noqa: BLE001 - llguidance reads a fast tokenizer's JSON only
+                    raise InvalidRequestError(
+                        f"structured output needs the model's fast tokenizer (tokenizer.json); this one failed: {e}",
+                        "response_format",
+                    ) from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar_for(structured), limits=PARSER_LIMITS)
         if matcher.is_error():
             raise InvalidRequestError(f"the {param} cannot be used: {_error_of(matcher)}", param)

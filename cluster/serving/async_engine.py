@@ -25,6 +25,7 @@ from typing import TypeVar
 from cluster.config import SamplingParams
 from cluster.engine.llm_engine import LLMEngine, RemoteKVReservation, RequestOutput
 from cluster.engine.request import RequestStatus
+from cluster.engine.structured import RequestGrammar
 from cluster.serving.messages import BatchGeometry, EngineStats
 
 log = logging.getLogger(__name__)
@@ -166,28 +167,39 @@ class AsyncEngine:
         params: SamplingParams,
         hold_kv_on_finish: bool = False,
         stream: OutputStream | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> OutputStream:
         """Adds the request to the engine, its outputs going to ``stream`` (from ``open_stream(request_id)``) or,
-        when None, to a stream opened here, which a failure here closes again."""
+        when None, to a stream opened here, which a failure here closes again. ``grammar``: the request's matcher
+        from ``self.grammar(params)`` (built here when the request has a constraint and it is None)."""
         opened_here = stream is None
         if stream is None:
             stream = self.open_stream(request_id)
         elif self._streams.get(request_id) is not stream:
             raise ValueError(f"the stream given is not the one open for {request_id!r}")
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish))
+            built = grammar or await self.grammar(params)
+            await self.call(lambda e: e.add_request(request_id, prompt, params, hold_kv_on_finish, built))
         except BaseException:
             if opened_here and self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
         return stream
 
+    async def grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """A fresh matcher for the request's output constraint (None without one), built on a worker thread:
+        a large grammar takes seconds to build, which on the engine's thread would stall every request's steps
+        (llguidance drops the GIL while it builds). InvalidRequestError when it cannot be used."""
+        if params.structured is None:
+            return None
+        return await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
+
     # The engine's disaggregation calls, run on the engine thread (``LLMEngine`` has their contracts).
 
     async def reserve_remote_kv(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, grammar: RequestGrammar | None = None
     ) -> RemoteKVReservation | None:
-        return await self.call(lambda e: e.reserve_remote_kv(request_id, prompt, params))
+        return await self.call(lambda e: e.reserve_remote_kv(request_id, prompt, params, grammar))
 
     async def complete_remote_kv(
         self,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, SamplingParams
+from cluster.config import CacheConfig, EngineConfig, SamplingParams, StructuredOutput
 from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.async_engine import AsyncEngine, OutputStream, RequestIdInUse
 
@@ -153,6 +153,31 @@ def test_a_stream_opened_before_a_failed_add_stays_with_its_opener(demo_model):
             ae.shutdown()
 
     assert asyncio.run(main()) == (True, {})
+
+
+def test_a_slow_grammar_is_built_while_the_engine_keeps_stepping(demo_model):
+    """Building a request's grammar matcher took seconds on the engine's thread for a large grammar, and no request
+    got a token meanwhile; it is built on a worker thread now."""
+    rule = "start: " + " | ".join(f'"{i:x}"' for i in range(20_000))  # ~1 s to check and build here
+
+    async def main():
+        ae = await AsyncEngine.launch(lambda: make_engine(demo_model))
+        try:
+            long = await ae.add_request("long", [5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True))
+            await long.get()  # decoding
+            constrained = SamplingParams(max_tokens=1, structured=StructuredOutput("grammar", rule))
+            adding = asyncio.ensure_future(ae.add_request("slow", [8, 9], constrained))
+            during = 0
+            while not adding.done():
+                await long.get()
+                during += 1
+            await adding
+            ae.abort("long")
+            return during
+        finally:
+            ae.shutdown()
+
+    assert asyncio.run(main()) >= 20  # before: one at most (the step already under way)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from typing import Any
 
 import httpx
 import pytest
@@ -15,26 +17,29 @@ from decode_workers.replica import DecodeWorker
 from router.server import OpenAIServer
 
 
+async def _edge(demo_model, use) -> Any:
+    """``await use(client)`` against one in-process server (the HTTP edge in front of a real decode worker)."""
+    pool = {"num_cpus": 0, "num_blocks": 64, "num_threads": 1}
+    cfg = parse_serve_config({"device": "cpu", "prefill": pool, "decode": pool})
+    worker = await DecodeWorker.start(cfg, str(demo_model))
+    server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
+    transport = httpx.ASGITransport(app=server.asgi_app())
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge", timeout=60) as client:
+            result = await use(client)
+            assert worker.engine.stats().kv_blocks_used == 0  # every request's blocks freed, failed ones too
+            return result
+    finally:
+        worker.shutdown()
+
+
 def serve(demo_model, bodies: list[dict]) -> list[httpx.Response]:
     """Posts each body to /v1/completions, one after the other, on one in-process server (a real engine)."""
 
-    async def main() -> list[httpx.Response]:
-        pool = {"num_cpus": 0, "num_blocks": 64, "num_threads": 1}
-        cfg = parse_serve_config({"device": "cpu", "prefill": pool, "decode": pool})
-        worker = await DecodeWorker.start(cfg, str(demo_model))
-        server = OpenAIServer(cfg, str(demo_model), worker, board=None, disaggregated=False)
-        transport = httpx.ASGITransport(app=server.asgi_app())
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://edge", timeout=60) as client:
-                answers = []
-                for body in bodies:
-                    answers.append(await client.post("/v1/completions", json={"model": "demo", "prompt": "hi", **body}))
-                assert worker.engine.stats().kv_blocks_used == 0  # every request's blocks freed, failed ones too
-                return answers
-        finally:
-            worker.shutdown()
+    async def use(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await client.post("/v1/completions", json={"model": "demo", "prompt": "hi", **b}) for b in bodies]
 
-    return asyncio.run(main())
+    return asyncio.run(_edge(demo_model, use))
 
 
 def test_thousands_of_choices_are_served(demo_model):
@@ -91,3 +96,29 @@ def test_a_spec_past_the_size_limit_is_refused_before_it_is_compiled(demo_model)
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == "guided_choice" and f"at most {MAX_SPEC_BYTES}" in error["message"]
+
+
+#: A Lark rule of 50,000 alternatives: within the size limit, but llguidance takes seconds to compile it (and it
+#: fails at the first token: a rule may have 2000 alternatives).
+SLOW_GRAMMAR = "start: " + " | ".join(f'"{i:x}"' for i in range(50_000))
+
+
+def test_a_slow_grammar_compiles_while_the_edge_keeps_answering(demo_model):
+    """The edge compiled constraints on its event loop: /health (and every stream of the replica) waited seconds."""
+
+    async def use(client: httpx.AsyncClient):
+        slow = asyncio.ensure_future(
+            client.post("/v1/completions", json={"model": "demo", "prompt": "hi", "guided_grammar": SLOW_GRAMMAR})
+        )
+        gaps, last = [], time.monotonic()
+        while not slow.done():
+            assert (await client.get("/health")).status_code == 200
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            await asyncio.sleep(0.02)
+        return await slow, gaps
+
+    answer, gaps = asyncio.run(_edge(demo_model, use))
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "guided_grammar", answer.text
+    assert len(gaps) > 10 and max(gaps) < 1.0, max(gaps)
