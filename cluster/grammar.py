@@ -5,10 +5,10 @@ alternation for a choice); ``check_structured`` is the edge's 400 for a schema o
 compile. The engine builds its per-request matchers from the same text (``cluster.engine.structured``).
 No torch here: the HTTP edge imports this.
 
-Compiling runs on the edge's event loop and on the engine's thread, where every other request waits for it, and
-its cost grows with the spec (100,000 choices took ~9 s to check and ~9 s more in the engine). So a spec is
-bounded in size before anything compiles it, and llguidance runs under one set of limits (``PARSER_LIMITS``) at
-the edge and in the engine alike.
+Compiling costs grow with the spec (100,000 choices as rule alternatives took ~9 s to check and ~9 s more to build
+a matcher): the edge and the engine both compile on worker threads (llguidance drops the GIL meanwhile), never on
+the event loop or the thread that steps; a spec is bounded in size before anything compiles it; and llguidance
+runs under one set of limits (``PARSER_LIMITS``) at the edge and in the engine alike.
 """
 
 from __future__ import annotations

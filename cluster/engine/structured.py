@@ -108,5 +108,6 @@ def consume(grammar: RequestGrammar, token: int) -> bool:
 
 
 def _error_of(matcher: llguidance.LLMatcher) -> str:
-    """The matcher's error, without the marker llguidance appends where verbose errors are off."""
-    return matcher.get_error().replace("<non-verbose/>", "").strip()
+    """The matcher's error, without what a client cannot act on: the marker llguidance appends where verbose errors
+    are off, and the backtrace of an assertion that failed inside it."""
+    return matcher.get_error().split("<backtrace>")[0].replace("<non-verbose/>", "").strip()
