@@ -41,7 +41,12 @@ PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
-@functools.lru_cache(maxsize=256)
+#: Specs (and their grammars) kept compiled: a service sees the same few again and again; 64 of the largest specs
+#: allowed keep ~100 MB at most.
+_CACHED_SPECS = 64
+
+
+@functools.lru_cache(maxsize=_CACHED_SPECS)
 def grammar_for(structured: StructuredOutput) -> str:
     """llguidance grammar text for ``structured`` (cached: a service sees the same few schemas again and again).
     Raises ValueError / TypeError for a spec that is not a schema / pattern / grammar / list of strings: call
@@ -87,7 +92,7 @@ def check_structured(structured: StructuredOutput | None, field: str | None = No
         raise InvalidRequestError(f"the {name} cannot be compiled: {problem}", name)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_CACHED_SPECS)
 def _problem(structured: StructuredOutput) -> str | None:
     try:
         grammar = grammar_for(structured)
