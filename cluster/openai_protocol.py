@@ -15,6 +15,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     ValidationError,
     ValidationInfo,
@@ -124,6 +125,8 @@ _NOT_YET_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 class _CommonRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    _constraint: StructuredOutput | None = PrivateAttr(default=None)
+    _constraint_checked: bool = PrivateAttr(default=False)
 
     model: str
     max_tokens: Integer | None = None
@@ -273,8 +276,12 @@ class _CommonRequest(BaseModel):
 
     def output_constraint(self) -> StructuredOutput | None:
         """The one output constraint the request sets, compiled and checked (InvalidRequestError naming its field).
-        The compile is cached: ``sampling_params`` finds it done."""
-        return self._structured()
+        Kept once checked: the edge checks it on a worker thread, and ``sampling_params`` on the event loop must not
+        compile it again (the compile cache holds a few specs only)."""
+        if not self._constraint_checked:
+            self._constraint = self._structured()
+            self._constraint_checked = True
+        return self._constraint
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's params; raises InvalidRequestError naming the bad field."""
@@ -292,7 +299,7 @@ class _CommonRequest(BaseModel):
             logprobs=self._want_logprobs(),
             top_logprobs=self._top_logprobs(),
             prompt_logprobs=self._prompt_logprobs(),
-            structured=self._structured(),
+            structured=self.output_constraint(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
