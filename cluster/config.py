@@ -227,6 +227,9 @@ class StructuredOutput:
 
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
+    #: The request field it came from, which errors about it name (None: the usual field of its kind). Not part of
+    #: its identity: ``guided_json`` and ``response_format`` with one schema are one constraint, compiled once.
+    param: str | None = field(default=None, compare=False)
 
     @classmethod
     def from_schema(cls, schema: Any) -> StructuredOutput:

@@ -80,7 +80,11 @@ def check_structured(structured: StructuredOutput | None, field: str | None = No
     if structured is None:
         return
     name = field or request_field(structured)
-    size = len(structured.spec.encode())
+    try:
+        size = len(structured.spec.encode())
+    except UnicodeEncodeError as e:  # a lone surrogate (JSON's "\ud800"): no text llguidance can compile
+        bad = structured.spec[e.start : e.end].encode("unicode_escape").decode()
+        raise InvalidRequestError(f"the {name} contains {bad}, a lone surrogate, which is not text", name) from None
     if size > MAX_SPEC_BYTES:
         raise InvalidRequestError(
             f"the {name} is {size} bytes; at most {MAX_SPEC_BYTES} are accepted (a smaller schema, pattern or list "
@@ -107,6 +111,9 @@ def _problem(structured: StructuredOutput) -> str | None:
 
 
 def request_field(structured: StructuredOutput) -> str:
-    """The request field a constraint of this kind usually comes from (errors name it)."""
+    """The request field the constraint came from (errors name it): the one it says, else the usual one of its
+    kind."""
+    if structured.param is not None:
+        return structured.param
     names = {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex"}
     return names.get(structured.kind, "guided_grammar" if structured.kind == "grammar" else "guided_choice")

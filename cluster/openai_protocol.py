@@ -6,6 +6,7 @@ one that the server cannot honour (``best_of``, ``suffix``) is a 400 naming it. 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -266,6 +267,7 @@ class _CommonRequest(BaseModel):
         if not found:
             return None
         name, structured = found[0]
+        structured = dataclasses.replace(structured, param=name)  # the engine's errors name it too
         check_structured(structured, name)  # the 400 names the field the client sent
         return structured
 
@@ -344,6 +346,9 @@ class CompletionRequest(_CommonRequest):
         tokens = [t for p in v for t in (p if isinstance(p, list) else [p])] if isinstance(v, list) else []
         if any(isinstance(t, bool) for t in tokens):  # said here: the union's own error would ask for a string
             raise ValueError("token ids must be integers, not booleans")
+        floats = [t for t in tokens if isinstance(t, float)]
+        if floats:
+            raise ValueError(f"token ids must be integers, got {floats[0]!r}")
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
             v = v[0]
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
@@ -509,6 +514,8 @@ class ChatCompletionRequest(_CommonRequest):
         if own is not None:
             raise InvalidRequestError("tool_choice already constrains the output; drop response_format", "tool_choice")
         forced_output = constraint(self.tool_mode(None))
+        if forced_output is not None:
+            forced_output = dataclasses.replace(forced_output, param="tools")
         check_structured(forced_output, "tools")  # a function's parameters that are no usable schema
         return forced_output
 

@@ -315,6 +315,9 @@ class LLMEngine:
         for req, token in fresh:
             try:
                 outputs.append(self._postprocess_token(req, token))
+            except InvalidRequestError as e:  # its own input (a grammar that cannot go on): the client is told
+                log.info("request %s ended: %s", req.request_id, e)
+                outputs.append(self._fail(req, e))
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer failure: this request only
                 log.exception("postprocessing request %s failed", req.request_id)
                 outputs.append(self._fail(req, e))

@@ -220,6 +220,7 @@ def test_a_client_gone_while_sending_its_body_is_no_server_error(demo_model):
         ("/v1/completions", {"n": True}, "n", "must be an integer, not a boolean"),
         ("/v1/completions", {"prompt": [True, False]}, "prompt", "token ids must be integers, not booleans"),
         ("/v1/completions", {"prompt": [[5, 6], [True]]}, "prompt", "token ids must be integers, not booleans"),
+        ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt", "token ids must be integers, got 1.0"),
         (
             "/v1/completions",
             {"stop_token_ids": [True]},

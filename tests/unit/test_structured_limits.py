@@ -37,7 +37,10 @@ def serve(demo_model, bodies: list[dict]) -> list[httpx.Response]:
     """Posts each body to /v1/completions, one after the other, on one in-process server (a real engine)."""
 
     async def use(client: httpx.AsyncClient) -> list[httpx.Response]:
-        return [await client.post("/v1/completions", json={"model": "demo", "prompt": "hi", **b}) for b in bodies]
+        # json.dumps, not httpx's json=: it writes a lone surrogate as its \\u escape, as client libraries do
+        headers = {"content-type": "application/json"}
+        bodies_json = [json.dumps({"model": "demo", "prompt": "hi", **b}) for b in bodies]
+        return [await client.post("/v1/completions", content=b, headers=headers) for b in bodies_json]
 
     return asyncio.run(_edge(demo_model, use))
 
@@ -79,6 +82,23 @@ def test_a_grammar_that_fails_mid_output_is_a_400_naming_its_field(demo_model, c
     ended_with = json.loads(events[-2] if events[-1] == "[DONE]" else events[-1])
     assert ended_with["error"]["param"] == param and ended_with["error"]["code"] in (400, "400", None)
     assert after.status_code == 200
+
+
+def test_the_engine_names_the_field_the_client_sent(demo_model, caplog):
+    """A schema that fails only mid-output was reported as ``response_format`` whatever field carried it, and the
+    engine logged a traceback for what is the client's error."""
+    recursive = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}}}
+    (answer,) = serve(demo_model, [{"guided_json": {**recursive, "$ref": "#/$defs/a"}, "max_tokens": 8}])
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "guided_json" and "guided_json" in answer.json()["error"]["message"]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_lone_surrogate_in_a_spec_is_a_400(demo_model):
+    """The size check encoded the spec as UTF-8 and raised on a lone surrogate: a 500."""
+    (answer,) = serve(demo_model, [{"guided_regex": "a\udfffb", "max_tokens": 2}])
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "guided_regex" and "surrogate" in answer.json()["error"]["message"]
 
 
 def test_a_gbnf_grammar_without_a_root_rule_is_a_400(demo_model):
