@@ -74,6 +74,10 @@ class UsableRequestIdMiddleware:
         await self.app(scope, receive, send)
 
 
+#: The import path Serve's ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` takes for ``serve_http_middlewares``.
+SERVE_HTTP_CALLBACK = "router.request_ids.serve_http_middlewares"
+
+
 def serve_http_middlewares() -> list[Middleware]:
     """Serve's HTTP callback (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): the middlewares Serve puts outside
     its own, in its proxy and in a direct-ingress replica."""

@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.app import APP_NAME, build_app, cluster_resources
     from cluster.serving.placement import describe, place_pools
+    from router.request_ids import SERVE_HTTP_CALLBACK
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.update(ARENA_ENV)  # every process of our local Ray: see cluster.engine.host_memory
         # Serve's proxy and direct-ingress replicas read it: an unusable X-Request-Id is replaced before Serve takes
         # it as the request's id and response header (router.request_ids). A user's own callback wins.
-        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "router.request_ids.serve_http_middlewares")
+        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", SERVE_HTTP_CALLBACK)
     metrics_port = args.ray_metrics_port
     if own_ray and not port_is_free("0.0.0.0", metrics_port):
         print(f"note: port {metrics_port} is taken; Ray's metrics endpoint takes another one", flush=True)

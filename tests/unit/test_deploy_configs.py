@@ -96,3 +96,18 @@ def test_pool_options_follow_the_placement():
         "runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "1"}},
     }
     assert opts["num_replicas"] == 1
+
+
+def test_every_node_of_the_cluster_config_replaces_unusable_request_ids():
+    """Serve's proxies read the callback from their node's environment: each ``ray start`` sets it, to a path
+    that imports and gives Serve its middlewares."""
+    import importlib
+
+    from router.request_ids import SERVE_HTTP_CALLBACK
+
+    cluster = yaml.safe_load((DEPLOY / "cluster-gpu.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in cluster[key] if "ray start" in c]
+        assert f"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH={SERVE_HTTP_CALLBACK} ray start" in start, key
+    module, _, name = SERVE_HTTP_CALLBACK.rpartition(".")
+    assert getattr(importlib.import_module(module), name)()  # Serve calls it for the middleware list
