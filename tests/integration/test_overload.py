@@ -37,13 +37,15 @@ def server(demo_model, tmp_path_factory):
 def test_three_times_capacity_gets_fast_429s_and_keeps_goodput(server, demo_model):
     url = f"{server.url}/v1"
     asyncio.run(run_load(url, "demo", shapes(demo_model, 4, float("inf"), 1), 120, False))  # warm up
+    # Capacity near saturation: at 6 in flight it read ~11 req/s on an AVX2 VM where the engine, batching wider,
+    # served ~27 req/s; three times 11 was then no overload at all (no 429 in a CI run). 16 in flight read ~16.
     records, duration = asyncio.run(
-        run_load(url, "demo", shapes(demo_model, 24, float("inf"), 2), 120, False, max_concurrency=6)
+        run_load(url, "demo", shapes(demo_model, 32, float("inf"), 2), 120, False, max_concurrency=16)
     )
     capacity = summarize(records, duration, SLO)
     assert capacity["failed"] == 0
     rate = 3 * capacity["request_throughput"]
-    offered = shapes(demo_model, max(12, round(rate * 12)), rate, 3)
+    offered = shapes(demo_model, max(12, round(rate * 8)), rate, 3)
     records, (probes, probe_failures, worst), duration = asyncio.run(overload_phase(server.url, "demo", offered, 1))
     over = summarize(records, duration, SLO)
     # Goodput while the load was offered (late retries finish after it, and would dilute a per-phase rate).
