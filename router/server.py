@@ -388,7 +388,7 @@ class OpenAIServer:
             retrying = identity.retrying
             if req.constrains_output():
                 # A large grammar takes seconds to compile (llguidance drops the GIL meanwhile): on a worker thread,
-                # not on this loop, where every stream of the replica would wait. The plan's check finds it cached.
+                # not on this loop, where every stream of the replica would wait. The request keeps the result.
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self._tokenize_pool, _user_errors, req.output_constraint)
             if len(prompts) > 1 or req.n > 1:
