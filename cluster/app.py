@@ -35,6 +35,7 @@ from cluster.serving.messages import PrefillResult, PrefillTask
 from cluster.serving.placement import Placement, PoolPlacement, describe, place_pools
 from cluster.serving.pool_board import InProcessBoard, PoolBoard, board_stale_after_s
 from router.replica_choice import DecodeRequestRouter, PrefillRequestRouter
+from router.request_ids import SERVE_HTTP_CALLBACK as SERVE_HTTP_CALLBACK  # the CLI's, which may not import router
 
 if TYPE_CHECKING:
     from decode_workers.replica import DecodeWorker

@@ -176,9 +176,8 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import APP_NAME, build_app, cluster_resources
+    from cluster.app import APP_NAME, SERVE_HTTP_CALLBACK, build_app, cluster_resources
     from cluster.serving.placement import describe, place_pools
-    from router.request_ids import SERVE_HTTP_CALLBACK
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
