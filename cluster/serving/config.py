@@ -8,6 +8,7 @@ never sees pydantic.
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.config import DTYPES, EngineConfig, default_block_size
 from cluster.errors import ConfigError
+
+
+def cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only build, read from its package version ("2.13.0+cpu") without
+    importing it. Every config load resolves the device, and ``shapeserve serve`` loads one before Ray starts:
+    importing torch there added ~2 s to its start on a 2-core VM, for an answer the version label already gives.
+    False where the label does not say (CUDA and ROCm wheels, or no label): the caller asks torch itself."""
+    try:
+        return importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 class _Frozen(BaseModel):
@@ -294,6 +306,8 @@ class ServeConfig(_Frozen):
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        if cpu_only_torch():
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
