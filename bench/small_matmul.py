@@ -1,6 +1,8 @@
-"""The compiled small-batch matmul (``cluster/engine/cpu_small_matmul.py``) against the engine's main matmul.
+"""The compiled small-batch matmul (``cluster/engine/native/small_matmul.cc``) against the engine's main matmul,
+or against numba's kernel of the same design (``cluster/engine/cpu_small_matmul.py``).
 
     python -m bench.small_matmul [--repeats 3] [--batches 1,2,4,8,16] [--context 256] [--max-rows N]
+        [--against main|numba]
 
 One engine (the ``bench.engine_throughput`` model and arguments), its linear layers switched between
 sending inputs of up to ``SMALL_MATMUL_ROWS`` rows to the compiled kernel ("small") and sending every
@@ -13,7 +15,8 @@ the same machine:
 
 Prints min/median/max over the repeats and the small/main ratio of the medians. ``--max-rows`` sends inputs of
 up to N rows to the kernel instead of ``SMALL_MATMUL_ROWS``: how the threshold was chosen
-(``--max-rows 16 --batches 8,12,16``).
+(``--max-rows 16 --batches 8,12,16``). ``--against numba``: the baseline side sends the same inputs to numba's
+kernel instead of the main matmul (the host-built kernel replaced it as the engine's first choice).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch
 from bench.ab import alternate, print_ab_table
 from bench.engine_throughput import BENCH_SPEC, add_engine_args, make_engine
 from bench.layer_ops import decode_step_ms, workload_tok_s
-from cluster.engine.cpu_small_matmul import SMALL_MATMUL_ROWS, small_rows_linear
-from cluster.engine.linear import Linear, SmallRowsMatmul
+from cluster.engine import cpu_small_matmul
+from cluster.engine.linear import SMALL_MATMUL_ROWS, Linear, SmallRowsMatmul
+from cluster.engine.native import small_matmul
 from cluster.tools.demo_model import ensure_demo_model
 from cluster.tools.workloads import load_workload
 
@@ -39,6 +43,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--max-rows", type=int, default=SMALL_MATMUL_ROWS, help="inputs of up to N rows take the kernel")
+    ap.add_argument("--against", choices=("main", "numba"), default="main", help="the baseline side")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_model(args.model_dir, BENCH_SPEC)
@@ -47,13 +52,14 @@ def main(argv=None) -> None:
     if not engine.small_rows_matmul:
         raise SystemExit("the compiled small-batch matmul is not in use here (see the engine's warning)")
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
-    small = SmallRowsMatmul(args.max_rows, small_rows_linear)
-    sides = {"small": small, "main": None}
+    small = SmallRowsMatmul(args.max_rows, small_matmul.small_rows_linear)
+    baseline = SmallRowsMatmul(args.max_rows, cpu_small_matmul.small_rows_linear) if args.against == "numba" else None
+    sides = {"small": small, args.against: baseline}
     batches = [int(b) for b in args.batches.split(",")]
     rows = [f"decode step, batch {b}, ms" for b in batches] + [f"{args.workload}, output tok/s"]
     print(
         f"main matmul {engine.matmul.name}; small-batch kernel up to {args.max_rows} rows; threads "
-        f"{args.threads}; context {args.context}; {args.repeats} repeats, small then main in each"
+        f"{args.threads}; context {args.context}; {args.repeats} repeats, small then {args.against} in each"
     )
 
     def use(side: str) -> None:
@@ -65,7 +71,7 @@ def main(argv=None) -> None:
 
     workload_tok_s(engine, requests)  # untimed: the first run pays page faults that would land on one side
     results = alternate(list(sides), use, measure, rows, args.repeats)
-    print_ab_table(results, rows, "small", "main")
+    print_ab_table(results, rows, "small", args.against)
 
 
 if __name__ == "__main__":

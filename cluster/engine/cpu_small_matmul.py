@@ -7,11 +7,13 @@ kernel is a dot product per (row, output) over the plain [out, in] weight, four 
 sharing each weight load; with it a decode step of the bench model took 0.83x the time at batch
 1, 0.81x at 4 and 0.86x at 8 on the 2-core CI machine (``python -m bench.small_matmul``). From
 ~12 rows on, oneDNN's blocked kernels are as fast (they reuse each loaded weight across many
-rows), so the engine sends only inputs of up to ``SMALL_MATMUL_ROWS`` rows here
+rows), so the engine sends only inputs of up to ``linear.SMALL_MATMUL_ROWS`` rows here
 (``linear.SmallRowsMatmul``).
 
 The output columns are split evenly over numba's threads (sized to torch's by
-``numba_launch``). Compiled by numba when an engine starts and cached on disk.
+``numba_launch``). Compiled by numba when an engine starts and cached on disk. Engines take the
+host-built kernel of the same design first (``native/small_matmul.cc``, loaded in milliseconds where
+numba's import and cached load take ~1.5 s); this one serves hosts without a C++ compiler.
 """
 
 from __future__ import annotations
@@ -21,11 +23,6 @@ import numpy as np
 import torch
 
 from cluster.engine.numba_launch import parallel_launch
-
-#: Inputs of up to this many rows take this kernel (above: the main matmul). On the CI machine the kernel was
-#: still ahead at 12 rows and behind at 16 (``python -m bench.small_matmul --max-rows 16 --batches 8,12,16``);
-#: 8 leaves a margin for CPUs where oneDNN does better.
-SMALL_MATMUL_ROWS = 8
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.engine.native import KernelUnavailable
+
 log = logging.getLogger(__name__)
 
 #: ``matmul(x, weight, bias)`` with x: [..., in], weight: [out, in] -> [..., out]; inference only.
@@ -116,9 +118,16 @@ def _fallback(dtype: torch.dtype, reason: str) -> MatmulChoice:
     return MatmulChoice("torch", F.linear, reason)
 
 
+#: Inputs of up to this many rows take the small-batch kernel (above: the main matmul). On the CI machine numba's
+#: kernel was still ahead at 12 rows and behind at 16 (``python -m bench.small_matmul --max-rows 16 --batches
+#: 8,12,16``); 8 leaves a margin for CPUs where oneDNN does better.
+SMALL_MATMUL_ROWS = 8
+
+
 @dataclass(frozen=True)
 class SmallRowsMatmul:
-    """Where inputs of up to ``max_rows`` rows go instead of the main matmul (``cpu_small_matmul``): ``fn`` reads
+    """Where inputs of up to ``max_rows`` rows go instead of the main matmul (``native.small_matmul``, else
+    ``cpu_small_matmul``): ``fn`` reads
     the plain [out, in] weight, so a ``Linear`` whose weight is packed keeps the plain one beside it."""
 
     max_rows: int
@@ -171,22 +180,50 @@ SMALL_ROWS_MEMORY_SHARE = 0.10
 def choose_small_rows_matmul(
     dtype: torch.dtype, device: str | torch.device, candidate: Matmul | None = None
 ) -> SmallRowsMatmul | None:
-    """The matmul for decode-sized inputs of an engine of this dtype on this device: the compiled kernel for float32
-    on the CPU where it compiles and agrees with ``F.linear``, else None (every input takes the main matmul).
-    Never raises; a failure is logged once (engines call this once, at start)."""
+    """The matmul for decode-sized inputs of an engine of this dtype on this device, for float32 on the CPU: the
+    host-built kernel (``native.small_matmul``) where it builds and agrees with ``F.linear``, else numba's
+    (``cpu_small_matmul``, imported only then: numba's import and its cached kernel's load took ~1.5 s of a
+    replica's start), else None (every input takes the main matmul). ``candidate`` replaces both (tests).
+    Never raises; why a kernel was passed over is logged once (engines call this once, at start)."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return None
-    try:
-        from cluster.engine import cpu_small_matmul
-    except ImportError as e:  # pragma: no cover - numba is a declared dependency
-        why_not = f"numba cannot be imported ({e})"
-    else:
-        candidate = candidate or cpu_small_matmul.small_rows_linear
-        why_not = _probe_rows(candidate, cpu_small_matmul.SMALL_MATMUL_ROWS)
-        if not why_not:
-            return SmallRowsMatmul(cpu_small_matmul.SMALL_MATMUL_ROWS, candidate)
-    log.warning("the compiled small-batch matmul is unavailable (%s); decode batches use the main matmul", why_not)
+    candidates = (("given", lambda: candidate),) if candidate is not None else _SMALL_ROWS_KERNELS
+    why_not: list[str] = []
+    for name, kernel in candidates:
+        try:
+            fn = kernel()
+        except (ImportError, KernelUnavailable) as e:
+            why_not.append(f"{name}: {e}")
+            continue
+        if not (failure := _probe_rows(fn, SMALL_MATMUL_ROWS)):
+            if why_not:
+                log.info("the small-batch matmul runs %s kernel (%s)", name, "; ".join(why_not))
+            return SmallRowsMatmul(SMALL_MATMUL_ROWS, fn)
+        why_not.append(f"{name}: {failure}")
+    log.warning(
+        "the compiled small-batch matmul is unavailable (%s); decode batches use the main matmul", "; ".join(why_not)
+    )
     return None
+
+
+def _native_small_rows() -> Matmul:
+    from cluster.engine.native import small_matmul
+
+    small_matmul.load()  # raises KernelUnavailable here rather than in the probe
+    return small_matmul.small_rows_linear
+
+
+def _numba_small_rows() -> Matmul:
+    from cluster.engine import cpu_small_matmul
+
+    return cpu_small_matmul.small_rows_linear
+
+
+#: The small-batch kernels in the order an engine tries them, by the name its log gives them.
+_SMALL_ROWS_KERNELS: tuple[tuple[str, Callable[[], Matmul]], ...] = (
+    ("the host-built", _native_small_rows),
+    ("numba's", _numba_small_rows),
+)
 
 
 def _probe_rows(candidate: Matmul, max_rows: int) -> str:

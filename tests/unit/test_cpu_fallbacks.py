@@ -3,6 +3,9 @@ numba kernel still starts, still matches transformers, and says once why it took
 
 import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from cluster.tools.cli import main as cli_main
 from tests.helpers import engine_config, random_prompts
 from tests.unit.test_engine_parity import hf_greedy
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPT_LENGTHS = [1, 5, 17, 33, 90]
 MAX_TOKENS = 20
 #: Logit gaps that 16-bit rounding can flip (the logprob tolerances of test_engine_dtypes).
@@ -75,6 +79,22 @@ def test_engine_uses_the_fast_paths_where_they_work(demo_model):
     assert engine.small_rows_matmul
     if torch.backends.mkldnn.is_available():
         assert engine.matmul.name == "onednn"
+
+
+def test_an_engine_with_the_host_built_kernels_starts_without_numba(demo_model):
+    """numba is the fallback of hosts without a compiler: its import and cached kernels took ~1.5 s of a replica's
+    start, so an engine whose host-built kernels work must not import it at all (a fresh process, as a replica)."""
+    code = (
+        "import sys\n"
+        "from cluster.engine.llm_engine import LLMEngine\n"
+        "from tests.helpers import engine_config\n"
+        f"engine = LLMEngine(engine_config({str(demo_model)!r}))\n"
+        "assert engine.small_rows_matmul and engine.model.layer_ops.name == 'native'\n"
+        "print('numba imported' if 'numba' in sys.modules else 'no numba')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "no numba"
 
 
 def _hf_next_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The compiled small-batch matmul: same results as F.linear, chosen only where it works and fits in memory, and
-taken only by decode-sized inputs."""
+"""The compiled small-batch matmul (host-built, numba's where that cannot be built): same results as F.linear,
+chosen only where it works and fits in memory, and taken only by decode-sized inputs."""
 
 import logging
 
@@ -10,32 +10,61 @@ from torch import nn
 
 from cluster.engine import cpu_small_matmul
 from cluster.engine import linear as linear_module
-from cluster.engine.cpu_small_matmul import SMALL_MATMUL_ROWS, small_rows_linear
-from cluster.engine.linear import Linear, SmallRowsMatmul, choose_matmul, choose_small_rows_matmul, use_matmul
+from cluster.engine.linear import (
+    SMALL_MATMUL_ROWS,
+    Linear,
+    SmallRowsMatmul,
+    choose_matmul,
+    choose_small_rows_matmul,
+    use_matmul,
+)
+from cluster.engine.native import small_matmul
+
+small_rows_linear = small_matmul.small_rows_linear
+KERNELS = {"native": small_matmul.small_rows_linear, "numba": cpu_small_matmul.small_rows_linear}
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", range(1, SMALL_MATMUL_ROWS + 1))
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_f_linear(rows, bias):
+@pytest.mark.parametrize("shape", [(203, 77), (1037, 64)], ids=["small", "threaded"])
+def test_kernel_matches_f_linear(kernel, rows, bias, shape):
     g = torch.Generator().manual_seed(rows)
-    # Odd sizes, so no row block or thread split divides them evenly; a non-contiguous input (a column slice).
-    weight = torch.randn(203, 77, generator=g)
-    b = torch.randn(203, generator=g) if bias else None
-    x = torch.randn(rows, 90, generator=g)[:, 5:82]
-    torch.testing.assert_close(small_rows_linear(x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+    # Odd sizes, so no row block, vector or thread split divides them evenly (the larger one is split over
+    # threads); a non-contiguous input (a column slice).
+    out_dim, in_dim = shape
+    weight = torch.randn(out_dim, in_dim, generator=g)
+    b = torch.randn(out_dim, generator=g) if bias else None
+    x = torch.randn(rows, in_dim + 13, generator=g)[:, 5 : 5 + in_dim]
+    torch.testing.assert_close(KERNELS[kernel](x, weight, b), F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
 
 
-def test_kernel_refuses_what_it_cannot_read():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_refuses_what_it_cannot_read(kernel):
     with pytest.raises(ValueError, match="float32"):
-        small_rows_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8))
+        KERNELS[kernel](torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8))
     with pytest.raises(ValueError, match="contiguous rows"):
-        small_rows_linear(torch.randn(2, 8), torch.randn(8, 4).t())
+        KERNELS[kernel](torch.randn(2, 8), torch.randn(8, 4).t())
 
 
-def test_chosen_for_float32_cpu_only():
+def test_host_built_kernel_chosen_for_float32_cpu_only():
     assert choose_small_rows_matmul(torch.float32, "cpu") == SmallRowsMatmul(SMALL_MATMUL_ROWS, small_rows_linear)
     assert choose_small_rows_matmul(torch.bfloat16, "cpu") is None
     assert choose_small_rows_matmul(torch.float32, "meta") is None
+
+
+def test_numba_kernel_where_the_host_built_one_cannot_be_built(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SHAPESERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    small_matmul.load.cache_clear()  # as in a fresh process
+    try:
+        with caplog.at_level(logging.INFO):
+            chosen = choose_small_rows_matmul(torch.float32, "cpu")
+    finally:
+        small_matmul.load.cache_clear()
+    assert chosen == SmallRowsMatmul(SMALL_MATMUL_ROWS, cpu_small_matmul.small_rows_linear)
+    [said] = [r.getMessage() for r in caplog.records if "small-batch matmul runs" in r.getMessage()]
+    assert "numba's kernel" in said and "no-such-compiler" in said
 
 
 def test_a_failing_or_wrong_kernel_is_not_used_and_says_why(caplog):
@@ -112,13 +141,13 @@ def test_engine_decode_steps_use_the_kernel(demo_model, monkeypatch):
     from tests.helpers import engine_config
 
     rows: list[int] = []
-    real = cpu_small_matmul.small_rows_linear
+    real = small_matmul.small_rows_linear
 
     def spy(x, weight, bias=None):
         rows.append(x.shape[0])
         return real(x, weight, bias)
 
-    monkeypatch.setattr(cpu_small_matmul, "small_rows_linear", spy)
+    monkeypatch.setattr(small_matmul, "small_rows_linear", spy)
     engine = LLMEngine(engine_config(demo_model))
     assert engine.small_rows_matmul
     rows.clear()  # the choice's probe

@@ -68,7 +68,7 @@ class TorchAttentionBackend:
             NATIVE_DECODE, checks.check_native_decode, "trying numba's"
         ):
             return native_decode.paged_decode_attention_native
-        numba = checks.cpu_decode
+        numba = checks.numba_decode()
         if (
             numba is not None
             and numba.supports(query, k_cache)
