@@ -65,9 +65,26 @@ class GrammarMatchers:
                         "response_format",
                     ) from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar_for(structured), limits=PARSER_LIMITS)
+        if not matcher.is_error():
+            # The first mask, computed once here (it changes no state): a grammar no text satisfies (``root ::=
+            # root``) compiles without complaint and fails only here, which is before the request is started, so
+            # a stream gets a plain 400 too. Off the thread that steps as well: the first mask is the costliest
+            # (llguidance builds the lexer states it keeps), the step's own call is then cheaper.
+            matcher.compute_bitmask()
         if matcher.is_error():
-            raise InvalidRequestError(f"the {param} cannot be used: {_error_of(matcher)}", param)
+            raise InvalidRequestError(_unusable(structured, param, _error_of(matcher)), param)
         return RequestGrammar(matcher, self._tokenizer.vocab_size, param)
+
+
+def _unusable(structured: StructuredOutput, param: str, error: str) -> str:
+    """The 400's message for a constraint that fails before its first token."""
+    if error not in ("NoExtension", "NoExtensionBias"):  # e.g. one of llguidance's limits
+        return f"the {param} cannot be used: {error}"
+    example = " (a rule that only refers to itself, as in 'root ::= root', never ends)"
+    return (
+        f"the {param} matches no text at all, so no output can satisfy it"
+        f"{example if structured.kind == 'grammar' else ''}; change it so that some text matches"
+    )
 
 
 def mask_logits(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> None:

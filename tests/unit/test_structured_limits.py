@@ -84,6 +84,34 @@ def test_a_grammar_that_fails_mid_output_is_a_400_naming_its_field(demo_model, c
     assert after.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("constraint", "param"),
+    [
+        ({"guided_grammar": "root ::= root"}, "guided_grammar"),
+        ({"guided_grammar": 'root ::= a\na ::= a "b"'}, "guided_grammar"),  # a rule that only refers to itself
+        ({"structured_outputs": {"grammar": "start: start"}}, "structured_outputs"),  # Lark
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),  # an empty character class
+    ],
+)
+def test_a_constraint_no_text_satisfies_is_a_400_before_the_stream_starts(demo_model, constraint, param):
+    """llguidance compiles such a grammar without complaint and stops at the first token's mask ("NoExtensionBias"):
+    the request failed only once started, so a stream was a 200 whose one event was the error."""
+    plain, streamed, after = serve(
+        demo_model,
+        [
+            {**constraint, "max_tokens": 4},
+            {**constraint, "max_tokens": 4, "stream": True},
+            {"max_tokens": 2},  # the engine goes on serving
+        ],
+    )
+    for answer in (plain, streamed):
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert f"the {param} matches no text at all" in error["message"] and "NoExtension" not in error["message"]
+    assert after.status_code == 200
+
+
 def test_the_engine_names_the_field_the_client_sent(demo_model, caplog):
     """A schema that fails only mid-output was reported as ``response_format`` whatever field carried it, and the
     engine logged a traceback for what is the client's error."""
