@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.config import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from cluster.config import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from cluster.errors import InvalidRequestError
 from cluster.grammar import check_structured
 from cluster.openai_responses import ErrorResponse, error_response
@@ -206,6 +206,15 @@ class _CommonRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true; remove it or set stream true")
         return v
 
+    @field_validator("priority")
+    @classmethod
+    def _priority_bounded(cls, v: int) -> int:
+        # Only compared at admission today (it crosses no process), but an int64 wherever a priority is carried
+        # (msgpack, protobuf, vLLM's scheduler): bounded at the edge, so no later use of it can overflow.
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise ValueError(f"priority must be an integer from {INT64_MIN} to {INT64_MAX} (64-bit), got {v}")
+        return v
+
     @field_validator("n")
     @classmethod
     def _choices_bounded(cls, v: int) -> int:
@@ -311,16 +320,30 @@ class _CommonRequest(BaseModel):
         ).validate()
 
 
+#: A ``logit_bias`` key: a token id in decimal digits, nothing else. ``int()`` alone also reads " 12", "+12", "1_2"
+#: and other scripts' digits, which no client means as a token id.
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``{"token id": bias}`` as the engine's pairs; a key that is not a token id is a 400."""
+    """OpenAI's ``{"token id": bias}`` as the engine's pairs; a key that is not a token id is a 400, and so are two
+    keys naming one token ("12" and "012": the engine would add both biases)."""
+    keys: dict[int, str] = {}
     pairs = []
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
+        if not _TOKEN_ID_KEY.fullmatch(key):
             raise InvalidRequestError(
-                f"logit_bias keys must be token ids (use /tokenize to find them), got {key!r}", "logit_bias"
-            ) from None
+                f"logit_bias keys must be token ids written as decimal digits only (use /tokenize to find them), "
+                f"got {key!r}",
+                "logit_bias",
+            )
+        token = int(key)
+        if token in keys:
+            raise InvalidRequestError(
+                f"logit_bias names token {token} twice ({keys[token]!r} and {key!r}); give each token once",
+                "logit_bias",
+            )
+        keys[token] = key
         pairs.append((token, value))
     return tuple(pairs)
 

@@ -161,8 +161,9 @@ class OpenAIServer:
     # ---- the ASGI app -------------------------------------------------------------------------
 
     def asgi_app(self) -> FastAPI:
-        # No /docs or /openapi.json: a production endpoint does not publish its internals.
-        app = FastAPI(title="shapeserve", docs_url=None, redoc_url=None, openapi_url=None)
+        # No /docs or /openapi.json: a production endpoint does not publish its internals. No redirects to the
+        # other spelling of a path either: ``TrailingSlashOptional`` serves both.
+        app = FastAPI(title="shapeserve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
         app.add_exception_handler(APIError, _api_error)
         app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_exception_handler(RequestValidationError, _validation_error)
@@ -181,6 +182,7 @@ class OpenAIServer:
         app.add_api_route("/admin/pools", self.admin_pools, methods=["GET"])
         if self.config.api_key:
             app.add_middleware(APIKeyMiddleware, api_key=self.config.api_key)
+        app.add_middleware(TrailingSlashOptional)  # outermost: the key check and the routes see one spelling
         return app
 
     # ---- pool state ---------------------------------------------------------------------------
@@ -723,6 +725,25 @@ class RequestRun:
         if include_usage:
             events.append(stream_chunk("chat", self.rid, name, created, [], include_usage=True, usage=self._usage()))
         yield b"".join(b"data: " + e.to_json() + b"\n\n" for e in events) + DONE
+
+
+class TrailingSlashOptional:
+    """Serves every route with or without one trailing slash (``/v1/completions/`` is ``/v1/completions``).
+    Starlette answers the other spelling with a 307 redirect: not every client resends a POST's body to it, and its
+    Location is built from the request as this server saw it (``http://`` behind a TLS-terminating proxy, where a
+    client drops the Authorization header). A plain ASGI middleware: it changes the path only."""
+
+    def __init__(self, app: Callable[..., Any]):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path[:-1]}
+            raw = scope.get("raw_path")
+            if isinstance(raw, bytes) and raw.endswith(b"/"):
+                scope["raw_path"] = raw[:-1]
+        await self.app(scope, receive, send)
 
 
 def _user_errors(fn: Callable[[], Any]) -> Any:

@@ -260,3 +260,116 @@ def test_whole_number_floats_are_still_taken_where_openai_takes_them(demo_model)
             assert (worker.tasks[-1].params.max_tokens, worker.tasks[-1].params.seed) == (2, 7)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "path, ids, message",
+    [
+        ("/v1/completions", [1, 2, 3, 512], "stop_token_ids[3] is 512, outside the vocabulary [0, 512)"),  # was served
+        ("/v1/completions", [1, 2, 3, -1], "stop_token_ids[3] is -1, outside"),
+        ("/v1/chat/completions", [7, 10**30], f"stop_token_ids[1] is {10**30}, outside"),
+    ],
+)
+def test_stop_token_ids_outside_the_vocabulary_are_refused_naming_the_index(demo_model, path, ids, message):
+    async def run():
+        worker = CheckingWorker()
+        async with edge(demo_model, worker, served_model_name="m") as client:
+            base = {"model": "m", "max_tokens": 1}
+            base |= {"messages": CHAT} if path == "/v1/chat/completions" else {"prompt": "hi"}
+            assert_refused(await post(client, path, base | {"stop_token_ids": ids}), "stop_token_ids", message)
+            # The vocabulary's first and last ids are served.
+            assert (await post(client, path, base | {"stop_token_ids": [0, 511]})).status_code == 200
+            assert [t.params.stop_token_ids for t in worker.tasks] == [(0, 511)]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        # int() read these as token ids
+        ({" 12": 1}, "decimal digits only (use /tokenize to find them), got ' 12'"),
+        ({"+12": 1}, "got '+12'"),
+        ({"1_2": 1}, "got '1_2'"),
+        ({"12\n": 1}, "got '12\\n'"),
+        ({"\u0661\u0662": 1}, "decimal digits only"),  # Arabic-Indic digits
+        ({"12": 1, "012": 2}, "names token 12 twice ('12' and '012'); give each token once"),  # the engine adds both
+        # refused already ("must be token ids, got -1"), now saying how a key is written
+        ({"-1": 1}, "decimal digits only (use /tokenize to find them), got '-1'"),
+    ],
+)
+def test_logit_bias_keys_are_decimal_token_ids(demo_model, bias, message):
+    async def run():
+        worker = CheckingWorker()
+        async with edge(demo_model, worker, served_model_name="m") as client:
+            base = {"model": "m", "prompt": "hi", "max_tokens": 1}
+            assert_refused(await post(client, "/v1/completions", base | {"logit_bias": bias}), "logit_bias", message)
+            # Refused before this test, as they still are.
+            for key in ("1e2", "0x10", "12.0"):
+                r = await post(client, "/v1/completions", base | {"logit_bias": {key: 1}})
+                assert_refused(r, "logit_bias", f"got {key!r}")
+            r = await post(client, "/v1/completions", base | {"logit_bias": {"512": 1}})
+            assert_refused(r, "logit_bias", "outside the vocabulary [0, 512)")
+            # Token ids as decimal digits are served, leading zeros included.
+            r = await post(client, "/v1/completions", base | {"logit_bias": {"0": 1, "511": -1, "007": 5}})
+            assert r.status_code == 200, r.text
+            assert [t.params.logit_bias for t in worker.tasks] == [((0, 1.0), (511, -1.0), (7, 5.0))]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("priority", [10**30, -(10**30), INT64_MAX + 1, INT64_MIN - 1])
+def test_priority_is_a_signed_64_bit_integer(demo_model, priority):
+    """``priority`` took any integer; msgpack and protobuf, which would carry it past the edge, take 64 bits."""
+
+    async def run():
+        async with edge(demo_model, CheckingWorker(), served_model_name="m") as client:
+            for path, base in (
+                ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}),
+                ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 1}),
+            ):
+                r = await post(client, path, base | {"priority": priority})
+                assert_refused(r, "priority", f"priority must be an integer from {INT64_MIN} to {INT64_MAX}")
+                for within in (INT64_MIN, -1, 0, 1, INT64_MAX):
+                    assert (await post(client, path, base | {"priority": within})).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_every_route_is_served_with_a_trailing_slash(demo_model):
+    """``POST /v1/completions/`` was a 307 to ``/v1/completions`` (a client that does not follow it got no answer;
+    one behind a TLS-terminating proxy was sent to ``http://``)."""
+    requests: list[tuple[str, str, dict | None]] = [
+        ("POST", "/v1/completions/", {"model": "m", "prompt": "hi", "max_tokens": 1}),
+        ("POST", "/v1/chat/completions/", {"model": "m", "messages": CHAT, "max_tokens": 1}),
+        ("GET", "/v1/models/", None),  # the list, not the card of a model named ''
+        ("GET", "/v1/models/m/", None),
+        ("POST", "/tokenize/", {"prompt": "hi"}),
+        ("GET", "/health/", None),
+    ]
+
+    async def run():
+        worker = CheckingWorker()
+        cfg = parse_serve_config({"device": "cpu", "served_model_name": "m", "api_key": "k"})
+        app = OpenAIServer(cfg, str(demo_model), worker, disaggregated=False).asgi_app()
+        v1_routes = {path for r in app.routes if (path := getattr(r, "path", "")).startswith("/v1/")}
+        tried = {path.removesuffix("/").replace("/models/m", "/models/{model_id:path}") for _, path, _ in requests}
+        assert v1_routes <= tried  # every /v1 route is tried below
+        auth = {"authorization": "Bearer k"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://edge") as client:
+            answers = {}
+            for method, path, body in requests:
+                if body is None:
+                    r = await client.request(method, path, headers=auth)
+                else:
+                    r = await post(client, path, body, headers=auth)
+                assert r.status_code == 200, (path, r.status_code, r.text)
+                answers[path] = r.json()
+            assert len(worker.tasks) == 2
+            assert answers["/v1/models/"]["data"][0]["id"] == "m" and answers["/v1/models/m/"]["id"] == "m"
+            # The key is still required, and an unknown path is still a 404 with an OpenAI body: never a redirect.
+            assert (await post(client, "/v1/completions/", requests[0][2] or {})).status_code == 401
+            r = await client.post("/v1/nothing/", headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+    asyncio.run(run())
