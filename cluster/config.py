@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -352,12 +353,27 @@ class SamplingParams:
         return self
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The checks that need the model: every token id the params name is in its vocabulary."""
+        """The checks that need the model: every token id the params name is in its vocabulary (a stop id past it
+        could never be sampled, so it would stop nothing)."""
+        check_stop_token_ids(self.stop_token_ids, vocab_size)
         for token, _ in self.logit_bias:
             if token >= vocab_size:
                 raise InvalidRequestError(
                     f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})", "logit_bias"
                 )
+
+
+def check_stop_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Each of ``stop_token_ids`` in the vocabulary; the error names the first one outside it by index. The edge
+    calls it before building the params (whose own range check names no index), the engine through ``check_vocab``
+    (run-batch and other direct callers)."""
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"stop_token_ids[{i}] is {token}, outside the vocabulary [0, {vocab_size}); use /tokenize to find "
+                "token ids",
+                "stop_token_ids",
+            )
 
 
 def served_context_length(model: ModelConfig, max_model_len: int | None) -> int:

@@ -12,8 +12,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.config import SamplingParams
-from cluster.errors import InvalidRequestError, ShapeserveError
+from cluster.config import SamplingParams, check_stop_token_ids
+from cluster.errors import ShapeserveError
 from cluster.openai_protocol import APIError
 from cluster.prefix_hash import hash_full_blocks
 from cluster.prompting import check_prompt
@@ -74,7 +74,8 @@ def plan_request(
     ``request``: the validated body (``cluster.openai_protocol``); ``cached_blocks(hashes)``: how many leading
     blocks are believed to be in the decode replica's prefix cache (read-only); ``load``: the admission state."""
     try:
-        _check_stop_token_ids(request.stop_token_ids or (), limits.vocab_size)
+        # First: the params' own range check would name no index.
+        check_stop_token_ids(request.stop_token_ids or (), limits.vocab_size)
         params = request.sampling_params(default_max_tokens(kind, len(prompt), limits))
         params.check_vocab(limits.vocab_size)
         check_prompt(prompt, params.max_tokens, limits.vocab_size, limits.max_model_len)
@@ -94,18 +95,6 @@ def plan_request(
     )
     decision = classify(geometry, config.classifier, config.admission, load)
     return RequestPlan(params, tuple(prompt), hashes, geometry, decision)
-
-
-def _check_stop_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """Each of ``stop_token_ids`` in the vocabulary, as the prompt's ids are (``check_prompt``): an id past it can
-    never be sampled, so it would stop nothing. Checked before the params' own range check, which names no index."""
-    for i, token in enumerate(ids):
-        if not 0 <= token < vocab_size:
-            raise InvalidRequestError(
-                f"stop_token_ids[{i}] is {token}, outside the vocabulary [0, {vocab_size}); use /tokenize to find "
-                "token ids",
-                "stop_token_ids",
-            )
 
 
 def rejection(

@@ -46,6 +46,8 @@ def engine(demo_model):
         (4, SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (4, SamplingParams(temperature=-1.0), "temperature must be in"),
         (0, SamplingParams(), "prompt is empty"),
+        # run-batch and other direct callers get the edge's check: a stop id the model cannot sample stops nothing
+        (4, SamplingParams(stop_token_ids=(2, 512)), r"stop_token_ids\[1\] is 512, outside the vocabulary \[0, 512\)"),
     ],
 )
 def test_bad_requests_are_refused_and_running_ones_continue(engine, prompt_len, params, match):
