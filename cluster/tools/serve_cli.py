@@ -245,9 +245,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         try:
-            if own_ray:
-                serve.shutdown()
-            elif deployed:
-                serve.delete(APP_NAME)  # someone else's cluster: remove only our application
+            # The application drains (in-flight requests finish), then the Ray we started (or only our application
+            # on someone else's cluster) goes. Not serve.shutdown(): its controller kills itself while the call to it
+            # is pending, and Ray printed "Task ServeController.graceful_shutdown failed ..." at every Ctrl-C.
+            if deployed:
+                serve.delete(APP_NAME)
         finally:
             ray.shutdown()

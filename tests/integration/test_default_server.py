@@ -44,3 +44,18 @@ def test_the_in_process_board_reports_the_replica(server):
     assert total(page, "shapeserve_requests_total", outcome="ok") == 1
     # The per-replica series come from the board's reports.
     assert any(name == "vllm:kv_cache_usage_perc" for name, _ in page), sorted({name for name, _ in page})
+
+
+def test_ctrl_c_stops_the_server_cleanly_and_quietly(server):
+    """Last in this module: it stops the module's server. Ctrl-C (SIGINT) drains the application and stops the local
+    Ray: exit status 0, every process of the tree gone, and nothing after "shutting down" that reads as a failure
+    (Serve's own controller shutdown printed "Task ServeController.graceful_shutdown failed ... killed by
+    `ray.kill`" at every Ctrl-C)."""
+    tree = server.tree()
+    server.stop()
+    assert server.proc is not None and server.proc.returncode == 0
+    time.sleep(1)
+    assert not [p.pid for p in tree if p.is_running() and p.status() != "zombie"]
+    log = open(server.log_path, errors="replace").read()
+    after = log.split("shutting down", 1)[1]
+    assert not [line for line in after.splitlines() if "fail" in line.lower() or "error" in line.lower()], after
