@@ -127,8 +127,8 @@ SMALL_MATMUL_ROWS = 8
 @dataclass(frozen=True)
 class SmallRowsMatmul:
     """Where inputs of up to ``max_rows`` rows go instead of the main matmul (``native.small_matmul``, else
-    ``cpu_small_matmul``): ``fn`` reads
-    the plain [out, in] weight, so a ``Linear`` whose weight is packed keeps the plain one beside it."""
+    ``cpu_small_matmul``): ``fn`` reads the plain [out, in] weight, so a ``Linear`` whose weight is packed keeps the
+    plain one beside it."""
 
     max_rows: int
     fn: Matmul

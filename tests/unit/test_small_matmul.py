@@ -47,6 +47,13 @@ def test_kernel_refuses_what_it_cannot_read(kernel):
         KERNELS[kernel](torch.randn(2, 8), torch.randn(8, 4).t())
 
 
+def test_host_built_kernel_refuses_shapes_it_would_read_past():
+    with pytest.raises(ValueError, match="inner sizes"):
+        small_rows_linear(torch.randn(2, 8), torch.randn(4, 6))
+    with pytest.raises(ValueError, match="bias"):
+        small_rows_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
+
+
 def test_host_built_kernel_chosen_for_float32_cpu_only():
     assert choose_small_rows_matmul(torch.float32, "cpu") == SmallRowsMatmul(SMALL_MATMUL_ROWS, small_rows_linear)
     assert choose_small_rows_matmul(torch.bfloat16, "cpu") is None

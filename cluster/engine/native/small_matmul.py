@@ -34,11 +34,13 @@ def small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
         or weight.stride(1) != 1
+        or weight.dim() != 2
         or x.shape[1] != weight.shape[1]
+        or (bias is not None and tuple(bias.shape) != (weight.shape[0],))
     ):
         raise ValueError(
-            f"expected a 2-D float32 CPU input and weight with contiguous rows and equal inner sizes, got "
-            f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}"
+            f"expected a 2-D float32 CPU input and weight with contiguous rows and equal inner sizes (and a bias of "
+            f"the weight's rows), got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}"
         )
     if x.stride(1) != 1:
         x = x.contiguous()
