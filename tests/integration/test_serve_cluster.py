@@ -444,9 +444,17 @@ def test_lost_prefill_node_requests_complete_and_a_new_node_takes_the_pool(serve
     prompts = [long_prompt(400 + i, 900) for i in range(3)]
     expected = offline(prompts, 20)
     before = pools(server)["decode"][0]
+    prefill_pid = pools(server)["prefill"][0]["pid"]
+
+    def lose_the_node() -> None:
+        # Frozen first, so the prompts are still in its hands when the node goes, however fast it prefills (a
+        # faster prefill replica once finished all three before the removal, which takes a few hundred ms: the node's
+        # processes are killed one by one, the frozen replica among them).
+        os.kill(prefill_pid, signal.SIGSTOP)
+        ray_cluster.remove_node(node, allow_graceful=False)
+
     t0 = time.monotonic()
-    # The node goes as the requests arrive (removing it takes a few hundred ms: its processes are killed one by one).
-    responses = post_all(server, prompts, 20, lambda: ray_cluster.remove_node(node, allow_graceful=False), 0.0)
+    responses = post_all(server, prompts, 20, lose_the_node, 0.0)
     for resp, want in zip(responses, expected, strict=True):
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == want

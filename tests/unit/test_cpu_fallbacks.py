@@ -17,7 +17,7 @@ from cluster.engine import linear as linear_module
 from cluster.engine.attention import cpu_decode, cpu_prefill, native_decode
 from cluster.engine.attention.torch_backend import NATIVE_DECODE, NATIVE_PREFILL, NATIVE_WRITE, NUMBA_DECODE
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.native import elementwise
+from cluster.engine.native import elementwise, small_matmul
 from cluster.tools.cli import main as cli_main
 from tests.helpers import engine_config, random_prompts
 from tests.unit.test_engine_parity import hf_greedy
@@ -42,7 +42,7 @@ def test_engine_without_any_fast_path_matches_transformers(demo_model, monkeypat
     element-wise ops, same greedy tokens."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SHAPESERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    for load in (elementwise.load, cpu_prefill.load, native_decode.load):
+    for load in (elementwise.load, cpu_prefill.load, native_decode.load, small_matmul.load):
         load.cache_clear()  # as in a fresh process (a failed load is not cached: later tests build again)
     monkeypatch.setattr(linear_module, "onednn_linear", _no_primitive)
     monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", _kernel_broken)

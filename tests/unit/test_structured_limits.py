@@ -147,7 +147,7 @@ def test_a_spec_past_the_size_limit_is_refused_before_it_is_compiled(demo_model)
 
 
 #: A Lark rule of 50,000 alternatives: within the size limit, but llguidance takes seconds to compile it (and it
-#: fails at the first token: a rule may have 2000 alternatives).
+#: may fail at the first token, past the lexer budget of llguidance's limits).
 SLOW_GRAMMAR = "start: " + " | ".join(f'"{i:x}"' for i in range(50_000))
 
 
@@ -168,5 +168,10 @@ def test_a_slow_grammar_compiles_while_the_edge_keeps_answering(demo_model):
         return await slow, gaps
 
     answer, gaps = asyncio.run(_edge(demo_model, use))
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "guided_grammar", answer.text
+    # Served, or refused naming the field: whether llguidance's lexer runs out of its budget on this rule at the first
+    # token depends on what it has already built for this tokenizer (alone: a 400; after the suite's other grammars,
+    # a full run once served it). Either is a correct answer; a 500 or a hang is not.
+    assert answer.status_code in (200, 400), answer.text
+    if answer.status_code == 400:
+        assert answer.json()["error"]["param"] == "guided_grammar", answer.text
     assert len(gaps) > 10 and max(gaps) < 1.0, max(gaps)
