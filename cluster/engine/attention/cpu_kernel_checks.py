@@ -72,10 +72,9 @@ def check_native_decode() -> str:
 
 def check_numba_decode() -> str:
     """numba's decode kernel (``cpu_decode``): compiled, or loaded from numba's disk cache."""
-    try:
-        from cluster.engine.attention import cpu_decode
-    except ImportError as e:  # pragma: no cover - numba is a declared dependency
-        return f"numba cannot be imported ({e})"
+    cpu_decode = numba_decode()
+    if cpu_decode is None:  # pragma: no cover - numba is a declared dependency
+        return "numba cannot be imported"
     return _check_decode(cpu_decode.paged_decode_attention_cpu)
 
 
