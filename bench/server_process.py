@@ -27,9 +27,12 @@ GROUPS = (
     ("raylet", "raylet"),
     ("gcs_server", "GCS"),
     ("dashboard", "Ray dashboard/agents"),
+    ("DashboardAgent", "Ray dashboard/agents"),
+    ("RuntimeEnvAgent", "Ray dashboard/agents"),
     ("monitor.py", "Ray monitors"),
     ("log_monitor", "Ray monitors"),
     ("shapeserve serve", "shapeserve CLI (driver)"),
+    ("cluster.tools.cli serve", "shapeserve CLI (driver)"),
     ("vllm", "vLLM"),
 )
 
