@@ -135,6 +135,26 @@ def quiet_serve_env() -> dict[str, str]:
     return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
 
+def quiet_ray_env() -> dict[str, str]:
+    """Settings for the background processes of the local Ray that ``shapeserve serve`` starts for itself.
+
+    Idle, the server's processes took ~140 ms of CPU per second (``python -m bench.idle_server``), on the cores the
+    engine computes on under load; these give back ~23 ms of it, from work that serves nothing here
+    (docs/benchmarks.md, "What an idle server costs"):
+
+    - the log monitor streams workers' output to drivers that ask for it (``log_to_driver``), and ours does not; with
+      fewer than 1000 log files it rescanned the log directory every 0.1 s, now every 5 s;
+    - every core worker sent its task events (``ray list tasks``, the dashboard's task view) to the GCS every second;
+      every 5 s they arrive in fewer, larger batches;
+    - Ray timed every handler of its internal event loops, for its debug dumps."""
+    return {
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+        "LOG_NAME_UPDATE_INTERVAL_S": "5",
+        "RAY_task_events_report_interval_ms": "5000",
+        "RAY_event_stats": "0",
+    }
+
+
 def config_from_args(args: argparse.Namespace):
     """(ServeConfig, model directory) from the flags over the config file; raises ShapeserveError on a bad value or
     model directory (before Ray starts). Builds the demo model when no model is given."""
@@ -163,6 +183,33 @@ def config_from_args(args: argparse.Namespace):
     return config, model_dir
 
 
+class StartupInterrupted(Exception):
+    """SIGINT or SIGTERM before the server was ready."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """The CLI's SIGINT / SIGTERM handler.
+
+    While the server starts, a signal interrupts the start where it is (Ray's start, the deploy, the wait for the
+    replica's model load, which can take minutes), the way Python's own KeyboardInterrupt would: it raises
+    ``StartupInterrupted`` in the main thread, once. Once serving, a signal only sets ``stop``: the main loop then
+    drains the application."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.interrupt_startup = True
+
+    def __call__(self, signum: int, frame) -> None:
+        self.stop.set()
+        if self.interrupt_startup:
+            self.interrupt_startup = False  # a second signal must not cut the clean-up short
+            raise StartupInterrupted(signum)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config, model_dir = config_from_args(args)
@@ -179,9 +226,9 @@ def run(args: argparse.Namespace) -> int:
     from cluster.app import APP_NAME, SERVE_HTTP_CALLBACK, build_app, cluster_resources
     from cluster.serving.placement import describe, place_pools
 
-    stop = threading.Event()
+    signals = StopSignals()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, signals)
     own_ray = not args.address
     direct = own_ray and config.decode.num_replicas == 1 and config.decode.autoscaling is None
     proxy_port = free_port(config.host) if direct else config.port
@@ -192,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
                 os.environ.setdefault(key, value)  # the user's own value wins
     if own_ray:
         os.environ.update(ARENA_ENV)  # every process of our local Ray: see cluster.engine.host_memory
+        for key, value in quiet_ray_env().items():
+            os.environ.setdefault(key, value)  # read by the Ray processes started below; the user's own value wins
         # Serve's proxy and direct-ingress replicas read it: an unusable X-Request-Id is replaced before Serve takes
         # it as the request's id and response header (router.request_ids). A user's own callback wins.
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", SERVE_HTTP_CALLBACK)
@@ -199,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     if own_ray and not port_is_free("0.0.0.0", metrics_port):
         print(f"note: port {metrics_port} is taken; Ray's metrics endpoint takes another one", flush=True)
         metrics_port = None
-    deployed = False
+    deploying = False
     try:
         if own_ray:
             # address="local": always a Ray of our own, never someone else's running cluster.
@@ -228,27 +277,34 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         serve.start(http_options={"host": config.host, "port": proxy_port})
+        deploying = True  # from here an interrupted start leaves an application to delete
         serve.run(build_app(config, model_dir, placement), name=APP_NAME, route_prefix="/", blocking=False)
-        deployed = True
         url = f"http://{config.host}:{config.port}"
         if not _wait_ready(url, args.ready_timeout):
             print(f"error: the pools did not become healthy within {args.ready_timeout:.0f} s", file=sys.stderr)
             return 1
+        signals.interrupt_startup = False
         how = "the decode replica serves it directly" if direct else "through Serve's proxy"
         names = ", ".join(map(repr, config.served_model_names))
         key = "; an API key is required" if config.api_key else ""
         print(f"shapeserve is serving {names} at {url}/v1 ({how}{key}; Ctrl-C to stop)", flush=True)
         print(f"metrics: {url}/metrics (the whole cluster's); Ray's and Serve's: {ray_metrics_urls()}", flush=True)
-        while not stop.wait(0.5):
+        while not signals.stop.wait(0.5):
             pass
         print("shutting down", flush=True)
         return 0
+    except StartupInterrupted as e:
+        print(f"{e} before the server was ready: stopping", flush=True)
+        if own_ray:
+            deploying = False  # ray.shutdown() takes the application with the rest of our Ray, without a drain
+        return 128 + e.signum  # the shell's status for a process ended by that signal
     finally:
+        signals.interrupt_startup = False
         try:
             # The application drains (in-flight requests finish), then the Ray we started (or only our application
             # on someone else's cluster) goes. Not serve.shutdown(): its controller kills itself while the call to it
             # is pending, and Ray printed "Task ServeController.graceful_shutdown failed ..." at every Ctrl-C.
-            if deployed:
+            if deploying:
                 serve.delete(APP_NAME)
         finally:
             ray.shutdown()

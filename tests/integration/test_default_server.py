@@ -5,12 +5,19 @@ the decode replica serves the port and holds the pool board: no board replica, a
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
+import psutil
 import pytest
 
 from bench.server_process import group_of
+from cluster.tools.serve_cli import quiet_ray_env
+from tests.helpers import free_port
 from tests.integration.live_server import live_server, settled_scrape, total
 
 pytestmark = pytest.mark.slow
@@ -46,6 +53,16 @@ def test_the_in_process_board_reports_the_replica(server):
     assert any(name == "vllm:kv_cache_usage_perc" for name, _ in page), sorted({name for name, _ in page})
 
 
+def test_rays_background_processes_run_with_the_quiet_settings(server):
+    """The local Ray the CLI starts gets ``quiet_ray_env`` (the log monitor's rescans, task-event reports, event-loop
+    timing): its daemons and workers read them from their environment."""
+    by_group = {group_of(p): p for p in server.tree() if "log_monitor" in " ".join(p.cmdline()) or "raylet" in p.name()}
+    assert set(by_group) == {"Ray monitors", "raylet"}, by_group
+    for proc in by_group.values():
+        env = proc.environ()
+        assert {k: env.get(k) for k in quiet_ray_env()} == quiet_ray_env(), proc.cmdline()[:2]
+
+
 def test_ctrl_c_stops_the_server_cleanly_and_quietly(server):
     """Last in this module: it stops the module's server. Ctrl-C (SIGINT) drains the application and stops the local
     Ray: exit status 0, every process of the tree gone, and nothing after "shutting down" that reads as a failure
@@ -59,3 +76,31 @@ def test_ctrl_c_stops_the_server_cleanly_and_quietly(server):
     log = open(server.log_path, errors="replace").read()
     after = log.split("shutting down", 1)[1]
     assert not [line for line in after.splitlines() if "fail" in line.lower() or "error" in line.lower()], after
+
+
+def test_ctrl_c_during_start_up_stops_it_there(demo_model, tmp_path):
+    """Ctrl-C while the server starts (here: once Ray is up, before the replica has loaded its model) stops the start
+    where it is, instead of after the model load (which can take minutes): exit status 130, the server never
+    announced, no process left behind."""
+    log_path = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(demo_model), "--port", str(free_port())]
+    cmd += ["--ray-metrics-port", str(free_port())]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+        )
+    try:
+        end = time.monotonic() + 120
+        while "pools:" not in log_path.read_text(errors="replace"):  # printed once Ray is up
+            assert proc.poll() is None and time.monotonic() < end, log_path.read_text(errors="replace")
+            time.sleep(0.05)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 128 + signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = log_path.read_text(errors="replace")
+    assert "SIGINT before the server was ready: stopping" in log and "is serving" not in log, log
+    time.sleep(1)
+    assert not [p.pid for p in tree if p.is_running() and p.status() != "zombie"]
