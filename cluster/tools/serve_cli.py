@@ -183,8 +183,32 @@ def config_from_args(args: argparse.Namespace):
     return config, model_dir
 
 
-class StartupInterrupted(Exception):
-    """SIGINT or SIGTERM before the server was ready."""
+#: The pool a deployment of the application serves, for the start-up error.
+POOL_OF_DEPLOYMENT = {"DecodeWorker": "decode pool", "PrefillWorker": "prefill pool", "PoolBoard": "pool board"}
+
+
+def deploy_failures(app_status) -> list[str]:
+    """Why each failed deployment of an application (``serve.status().applications[name]``) did not start, one line
+    each. Serve keeps the error of the replica's constructor, a traceback, in the deployment's status message; its
+    last line names the error (``cluster.errors.ModelLoadError: checkpoint in '...' lacks tensors [...]``), given
+    here without the module path."""
+    failures = []
+    for name, deployment in app_status.deployments.items():
+        if getattr(deployment.status, "value", deployment.status) not in ("DEPLOY_FAILED", "UNHEALTHY"):
+            continue
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        cause = lines[-1] if lines else f"its deployment is {getattr(deployment.status, 'value', deployment.status)}"
+        kind, sep, text = cause.partition(": ")
+        if sep and kind.replace(".", "").replace("_", "").isalnum():  # "module.ErrorType: message"
+            cause = f"{kind.rsplit('.', 1)[-1]}: {text}"
+        failures.append(f"the {POOL_OF_DEPLOYMENT.get(name, name)}'s replica did not start: {cause}")
+    return failures
+
+
+class StartupInterrupted(BaseException):
+    """SIGINT or SIGTERM before the server was ready. A BaseException, like KeyboardInterrupt: raised wherever the
+    main thread is, it must not be taken for an error by the ``except Exception`` of the code it interrupts (Ray's
+    start-up polls have such handlers, and one swallowed it)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -278,7 +302,18 @@ def run(args: argparse.Namespace) -> int:
             )
         serve.start(http_options={"host": config.host, "port": proxy_port})
         deploying = True  # from here an interrupted start leaves an application to delete
-        serve.run(build_app(config, model_dir, placement), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_app(config, model_dir, placement), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as e:  # Serve: "Deploying application ... failed" once a replica failed to start
+            app = serve.status().applications.get(APP_NAME)
+            for line in (deploy_failures(app) if app is not None else []) or [str(e)]:
+                print(f"error: {line}", file=sys.stderr)
+            print(
+                "(Serve tried each replica a few times; the whole error is in Serve's controller log: logs/serve/ "
+                "in the Ray session's directory, /tmp/ray/session_latest on the head node)",
+                file=sys.stderr,
+            )
+            return 1
         url = f"http://{config.host}:{config.port}"
         if not _wait_ready(url, args.ready_timeout):
             print(f"error: the pools did not become healthy within {args.ready_timeout:.0f} s", file=sys.stderr)

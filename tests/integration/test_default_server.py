@@ -6,6 +6,7 @@ the decode replica serves the port and holds the pool board: no board replica, a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,17 +79,22 @@ def test_ctrl_c_stops_the_server_cleanly_and_quietly(server):
     assert not [line for line in after.splitlines() if "fail" in line.lower() or "error" in line.lower()], after
 
 
+def start_cli(model_dir, log_path) -> subprocess.Popen:
+    """``shapeserve serve`` on ``model_dir`` (free ports, no token auth), its output in ``log_path``."""
+    cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(model_dir), "--port", str(free_port())]
+    cmd += ["--ray-metrics-port", str(free_port())]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+        )
+
+
 def test_ctrl_c_during_start_up_stops_it_there(demo_model, tmp_path):
     """Ctrl-C while the server starts (here: once Ray is up, before the replica has loaded its model) stops the start
     where it is, instead of after the model load (which can take minutes): exit status 130, the server never
     announced, no process left behind."""
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "cluster.tools.cli", "serve", "--model", str(demo_model), "--port", str(free_port())]
-    cmd += ["--ray-metrics-port", str(free_port())]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
-        )
+    proc = start_cli(demo_model, log_path)
     try:
         end = time.monotonic() + 120
         while "pools:" not in log_path.read_text(errors="replace"):  # printed once Ray is up
@@ -104,3 +110,29 @@ def test_ctrl_c_during_start_up_stops_it_there(demo_model, tmp_path):
     assert "SIGINT before the server was ready: stopping" in log and "is serving" not in log, log
     time.sleep(1)
     assert not [p.pid for p in tree if p.is_running() and p.status() != "zombie"]
+
+
+def test_a_replica_that_cannot_start_is_reported_with_its_cause(demo_model, tmp_path):
+    """A checkpoint that config.json's architecture does not match (a tensor missing) fails in the replica, where
+    Serve only says "Failed to update the deployments": the CLI prints the replica's own error, no traceback, and
+    exits 1."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(demo_model, model_dir)
+    weights = next(model_dir.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, str(weights))
+
+    log_path = tmp_path / "server.log"
+    proc = start_cli(model_dir, log_path)
+    try:
+        assert proc.wait(300) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = log_path.read_text(errors="replace")
+    expected = f"the decode pool's replica did not start: ModelLoadError: checkpoint in '{model_dir}' lacks tensors"
+    assert f"error: {expected}" in log and "layers.0.down_proj.weight" in log, log
+    assert "Traceback" not in log and "is serving" not in log, log
