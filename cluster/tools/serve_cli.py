@@ -123,6 +123,26 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     }
 
 
+def unreachable_ray_address(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why ``--address`` names no Ray cluster, or None when something listens there (or it is ``auto``). Checked
+    before ``ray.init``, which retries an address nothing answers at for minutes, printing gRPC warnings."""
+    if address == "auto":
+        return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return (
+            f"--address takes the head node's host:port (e.g. 10.0.0.5:6379), ray://host:port or auto, not {address!r}"
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return (
+            f"no Ray cluster answers at {host}:{port} ({e.strerror or e}); start one there with `ray start --head`, "
+            "or leave out --address and shapeserve starts a local one"
+        )
+
+
 def quiet_serve_env() -> dict[str, str]:
     """Serve settings for a deployment that does not change by itself (one decode replica, no autoscaling in
     either pool).
@@ -242,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not port_is_free(config.host, config.port):
         print(f"error: {config.host}:{config.port} is already in use; pass another --port", file=sys.stderr)
+        return 2
+    problem = unreachable_ray_address(args.address) if args.address else None
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
 
     import ray
