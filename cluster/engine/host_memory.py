@@ -59,6 +59,19 @@ def keep_freed_memory_for_reuse() -> bool:
     return ok
 
 
+def available_memory_bytes() -> int:
+    """Memory the kernel can give without swapping (``MemAvailable``: free memory plus the page cache it can drop);
+    0 where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def physical_memory_bytes() -> int:
     """The machine's RAM (0 where the OS does not say: callers then treat every extra copy as too large)."""
     try:

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cluster.config import EngineConfig, SamplingParams
+from cluster.config import CacheConfig, EngineConfig, SamplingParams
+from cluster.engine.host_memory import available_memory_bytes
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import ConfigError, InvalidRequestError, ModelLoadError
 from cluster.tokenizer import load_tokenizer
@@ -71,6 +72,26 @@ def test_request_larger_than_the_pool(demo_model):
     small = LLMEngine(engine_config(demo_model, num_blocks=4))
     with pytest.raises(InvalidRequestError, match="needs 7 KV blocks but this worker's pool has 4"):
         small.add_request("x", [5] * 100, SamplingParams(max_tokens=10))
+
+
+def test_a_kv_pool_larger_than_the_hosts_memory_is_refused(demo_model, tmp_path, capsys):
+    """Refused before any of it is allocated, with what to lower; backing it failed with a bare ENOMEM (or, just
+    under the host's limit, woke the OOM killer)."""
+    too_much_gb = available_memory_bytes() / 2**30 * 2 + 1
+    with pytest.raises(ConfigError, match=r"the KV pool takes .* GiB .* but this host has .* GiB of memory available"):
+        LLMEngine(EngineConfig(model=str(demo_model), cache=CacheConfig(kv_cache_memory_gb=too_much_gb)))
+    (tmp_path / "in.jsonl").write_text("")
+    args = [
+        "run-batch",
+        "-i",
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+        "--model",
+        str(demo_model),
+    ]
+    assert cli_main([*args, "--kv-cache-memory-gb", str(too_much_gb)]) == 2
+    assert "lower kv_cache_memory_gb" in capsys.readouterr().err
 
 
 def test_bad_engine_config(demo_model):
