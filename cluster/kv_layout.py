@@ -8,9 +8,11 @@ plain data, no torch. The cache it describes is one tensor per worker:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from cluster.config import ModelConfig
+from cluster.config import EngineConfig, ModelConfig
+from cluster.errors import ConfigError
 
 #: Bytes per element of each KV dtype the engine serves.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,3 +53,31 @@ class KVLayout:
 def num_blocks_for_memory(model: ModelConfig, block_size: int, dtype: str, memory_gb: float) -> int:
     per_block = KVLayout.for_model(model, block_size, dtype, 1).bytes_per_block
     return max(1, int(memory_gb * (1 << 30)) // per_block)
+
+
+def pool_layout(model: ModelConfig, config: EngineConfig) -> KVLayout:
+    """The KV pool an engine built from ``config`` allocates: ``cache.num_blocks`` blocks, else as many as
+    ``cache.kv_cache_memory_gb`` holds."""
+    cache = config.cache
+    num_blocks = cache.num_blocks or num_blocks_for_memory(
+        model, cache.block_size, config.dtype, cache.kv_cache_memory_gb
+    )
+    return KVLayout.for_model(model, cache.block_size, config.dtype, num_blocks)
+
+
+def check_kv_pools_fit(pools: Mapping[str, tuple[int, KVLayout]], available_bytes: int, lower: str) -> None:
+    """ConfigError, naming ``lower`` as what to change, when the KV pools one host will hold (what -> (how many,
+    layout)) take more than the memory it has available (0: unknown, no check). On a CPU such a pool failed deep in
+    an engine's start (a bare ``OSError: [Errno 12] Cannot allocate memory`` from its mmap), or, just under the
+    limit, woke the kernel's OOM killer."""
+    needed = sum(count * layout.num_blocks * layout.bytes_per_block for count, layout in pools.values())
+    if available_bytes and needed > available_bytes:
+        parts = "; ".join(
+            f"{what}: {count} x {layout.num_blocks * layout.bytes_per_block / 2**30:.1f} GiB "
+            f"({layout.num_blocks} blocks of {layout.block_size} tokens)"
+            for what, (count, layout) in pools.items()
+        )
+        raise ConfigError(
+            f"the KV cache takes {needed / 2**30:.1f} GiB ({parts}) but this host has "
+            f"{available_bytes / 2**30:.1f} GiB of memory available; lower {lower}"
+        )

@@ -33,9 +33,9 @@ from cluster.engine.sampler import skip_one_draw
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.structured import GrammarMatchers, RequestGrammar, consume
 from cluster.engine.weights import load_model
-from cluster.errors import ConfigError, InvalidRequestError
+from cluster.errors import InvalidRequestError
 from cluster.grammar import check_structured
-from cluster.kv_layout import KVLayout, num_blocks_for_memory
+from cluster.kv_layout import check_kv_pools_fit, pool_layout
 from cluster.prompting import check_prompt
 from cluster.scores import Alternatives, TokenScore
 from cluster.tokenizer import load_tokenizer
@@ -78,19 +78,6 @@ class RemoteKVReservation:
     num_cached_tokens: int
 
 
-def check_kv_pool_fits(layout: KVLayout, available_bytes: int) -> None:
-    """ConfigError when a CPU engine's KV pool is larger than the memory the host has available (0: unknown, no
-    check). Backing such a pool failed deep in the engine's start (``OSError: [Errno 12] Cannot allocate memory``),
-    or, just under the limit, woke the kernel's OOM killer."""
-    needed = layout.num_blocks * layout.bytes_per_block
-    if available_bytes and needed > available_bytes:
-        raise ConfigError(
-            f"the KV pool takes {needed / 2**30:.1f} GiB ({layout.num_blocks} blocks of {layout.block_size} tokens) "
-            f"but this host has {available_bytes / 2**30:.1f} GiB of memory available; lower kv_cache_memory_gb "
-            "(or num_blocks; in a serve config, under decode: or prefill:)"
-        )
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -103,12 +90,11 @@ class LLMEngine:
         self.max_model_len = served_context_length(self.model_config, config.max_model_len)
         dtype = torch_dtype(config.dtype)
         cache = config.cache
-        num_blocks = cache.num_blocks or num_blocks_for_memory(
-            self.model_config, cache.block_size, config.dtype, cache.kv_cache_memory_gb
-        )
-        self.kv_layout = KVLayout.for_model(self.model_config, cache.block_size, config.dtype, num_blocks)
+        self.kv_layout = pool_layout(self.model_config, config)
+        num_blocks = self.kv_layout.num_blocks
         if torch.device(config.device).type == "cpu":
-            check_kv_pool_fits(self.kv_layout, available_memory_bytes())
+            pools = {"this engine": (1, self.kv_layout)}
+            check_kv_pools_fit(pools, available_memory_bytes(), "kv_cache_memory_gb (or num_blocks)")
         # The pool's pages are backed on a thread of its own while the weights load and the kernels are tried.
         pending_kv_cache = start_kv_cache(self.kv_layout, config.device)
         self.model = load_model(self.model_config, dtype, config.device)

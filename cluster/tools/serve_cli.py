@@ -17,8 +17,10 @@ import sys
 import threading
 import time
 
-from cluster.engine.host_memory import ARENA_ENV
-from cluster.errors import ShapeserveError
+from cluster.config import ModelConfig
+from cluster.engine.host_memory import ARENA_ENV, available_memory_bytes
+from cluster.errors import ConfigError, ShapeserveError
+from cluster.kv_layout import KVLayout, check_kv_pools_fit, pool_layout
 from cluster.tool_calls import TOOL_CALL_PARSERS
 
 #: The local Ray's metrics endpoint, where ``ray start --metrics-export-port`` puts it on a cluster's nodes.
@@ -143,6 +145,25 @@ def unreachable_ray_address(address: str, timeout_s: float = 5.0) -> str | None:
         )
 
 
+#: What to lower when the pools' KV caches do not fit.
+KV_SETTINGS = "decode.kv_cache_memory_gb / prefill.kv_cache_memory_gb (or num_blocks) in the serve config"
+
+
+def host_kv_pools(config, model_dir: str, placement) -> dict[str, tuple[int, KVLayout]]:
+    """The KV pools of the replicas the application starts with (pool -> (replicas, layout)), for one host's check:
+    a CPU pool bigger than the memory its host has failed in each replica's start, three times over (Serve retries a
+    replica), before the CLI could say why."""
+    model = ModelConfig.from_pretrained(model_dir)
+    pools = {}
+    for name, placed in (("decode", placement.decode), ("prefill", placement.prefill)):
+        pool = getattr(config, name)
+        if placed is None or placed.num_gpus:  # a GPU pool's cache is in GPU memory
+            continue
+        replicas = pool.num_replicas if pool.autoscaling is None else pool.autoscaling.min_replicas
+        pools[name] = (replicas, pool_layout(model, config.engine_config(name, model_dir, placed.num_threads)))
+    return pools
+
+
 def quiet_serve_env() -> dict[str, str]:
     """Serve settings for a deployment that does not change by itself (one decode replica, no autoscaling in
     either pool).
@@ -178,7 +199,7 @@ def quiet_ray_env() -> dict[str, str]:
 def config_from_args(args: argparse.Namespace):
     """(ServeConfig, model directory) from the flags over the config file; raises ShapeserveError on a bad value or
     model directory (before Ray starts). Builds the demo model when no model is given."""
-    from cluster.config import ModelConfig, served_context_length
+    from cluster.config import served_context_length
     from cluster.serving.config import load_serve_config
     from cluster.tools.cli import read_chat_template
 
@@ -316,6 +337,12 @@ def run(args: argparse.Namespace) -> int:
             ray.init(address=args.address, log_to_driver=False)
         placement = place_pools(config, *cluster_resources())
         print(describe(placement), flush=True)
+        if own_ray:  # every replica lands on this host: their KV pools must fit in its memory together
+            try:
+                check_kv_pools_fit(host_kv_pools(config, model_dir, placement), available_memory_bytes(), KV_SETTINGS)
+            except ConfigError as e:
+                print(f"error: {e.message}", file=sys.stderr)
+                return 2
         if config.pool_ratio is not None:
             # serve.run deploys without an application config, and Serve 2.60 takes an application-level
             # autoscaling policy only from one (cluster/serving/autoscaling.py).

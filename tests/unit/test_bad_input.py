@@ -78,7 +78,8 @@ def test_a_kv_pool_larger_than_the_hosts_memory_is_refused(demo_model, tmp_path,
     """Refused before any of it is allocated, with what to lower; backing it failed with a bare ENOMEM (or, just
     under the host's limit, woke the OOM killer)."""
     too_much_gb = available_memory_bytes() / 2**30 * 2 + 1
-    with pytest.raises(ConfigError, match=r"the KV pool takes .* GiB .* but this host has .* GiB of memory available"):
+    expected = r"the KV cache takes .* GiB \(this engine: 1 x .* GiB .*\) but this host has .* GiB of memory available"
+    with pytest.raises(ConfigError, match=expected):
         LLMEngine(EngineConfig(model=str(demo_model), cache=CacheConfig(kv_cache_memory_gb=too_much_gb)))
     (tmp_path / "in.jsonl").write_text("")
     args = [

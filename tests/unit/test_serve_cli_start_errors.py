@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cluster.engine.host_memory import available_memory_bytes
 from tests.helpers import free_port
 
 
@@ -45,3 +46,15 @@ def test_a_port_in_use_is_refused(demo_model):
         done = serve("--model", str(demo_model), "--port", str(port))
     assert done.returncode == 2, done.stderr
     assert f"error: 127.0.0.1:{port} is already in use; pass another --port" in done.stderr
+
+
+def test_kv_pools_larger_than_the_hosts_memory_are_refused_before_any_replica_starts(demo_model, tmp_path):
+    """Each replica would fail its start (three times: Serve retries it) before the CLI could say why."""
+    gb = available_memory_bytes() / 2**30 * 2 + 1
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"shapeserve:\n  device: cpu\n  decode:\n    kv_cache_memory_gb: {gb}\n")
+    done = serve("--model", str(demo_model), "--port", str(free_port()), "--config", str(config))
+    assert done.returncode == 2, done.stderr
+    assert "error: the KV cache takes" in done.stderr and "(decode: 1 x " in done.stderr, done.stderr
+    assert "lower decode.kv_cache_memory_gb / prefill.kv_cache_memory_gb" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "Started Serve" not in done.stdout + done.stderr
