@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster.config import SamplingParams
 from cluster.engine.attention.triton.backend import TritonAttentionBackend
@@ -14,12 +15,16 @@ pytestmark = pytest.mark.kernels
 # 1 token, exactly one block, one past a boundary, several blocks; repeats hit the prefix cache.
 PROMPT_LENGTHS = [1, 5, 16, 17, 40]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# Natively on a GPU (both engines on CUDA), else the Triton interpreter on CPU (tests/kernels/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _generate(path, backend, prompts):
     # A budget of 24 tokens chunks the longer prompts, so steps mix decodes with prefill
     # chunks that attend to their own cached prefix.
-    engine = LLMEngine(engine_config(path, block_size=16, num_blocks=64, budget=24, attention_backend=backend))
+    engine = LLMEngine(
+        engine_config(path, block_size=16, num_blocks=64, budget=24, attention_backend=backend, device=DEVICE)
+    )
     batches = []
     attend = engine.backend.attend
 
