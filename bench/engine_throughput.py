@@ -1,6 +1,7 @@
 """Offline throughput: shapeserve's engine vs transformers on the same random-weight model.
 
     python -m bench.engine_throughput [--workload skewed-64] [--threads 2] [--one-at-a-time 8]
+    python -m bench.engine_throughput --device cuda [--dtype bfloat16]   # Triton attention on a GPU
 
 Prints output tokens/s for (1) the engine (continuous batching over the paged KV cache),
 (2) transformers static batching (batch 16, left-padded, greedy), (3) transformers one
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from cluster.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, default_block_size
+from cluster.dtypes import torch_dtype
 from cluster.engine.llm_engine import LLMEngine
 from cluster.tools.demo_model import DemoModelSpec, ensure_demo_model
 from cluster.tools.workloads import load_workload
@@ -34,15 +36,19 @@ BENCH_SPEC = DemoModelSpec(
 )
 
 
-def make_engine(model_dir: Path, args, requests, prefix_caching: bool = True) -> LLMEngine:
+def make_engine(
+    model_dir: Path, args, requests, prefix_caching: bool = True, device: str = "cpu", dtype: str = "float32"
+) -> LLMEngine:
     """The engine under test, warmed up (kernels compiled, memory touched) on the first two
     requests' prompts with 4 output tokens each. A/B benches that send the same prompts to both
     sides pass ``prefix_caching=False``, so the side measured second computes them too."""
-    # The block size a server on this CPU runs (``default_block_size``), the pool sized in tokens.
-    block_size = default_block_size("cpu")
+    # The block size a server on this device runs (``default_block_size``), the pool sized in tokens.
+    block_size = default_block_size(device)
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
+            device=device,
+            dtype=dtype,
             num_threads=args.threads,
             cache=CacheConfig(
                 block_size=block_size,
@@ -64,7 +70,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def run_engine(model_dir: Path, requests, args) -> tuple[float, int]:
-    engine = make_engine(model_dir, args, requests)
+    engine = make_engine(model_dir, args, requests, device=args.device, dtype=args.dtype)
     start = time.perf_counter()
     for r in requests:
         engine.add_request(str(r.index), list(r.prompt_token_ids), greedy(r.output_tokens))
@@ -76,6 +82,7 @@ def run_engine(model_dir: Path, requests, args) -> tuple[float, int]:
 
 def _hf_generate(model, batch, max_new_tokens) -> int:
     longest = max(len(r.prompt_token_ids) for r in batch)
+    device = next(model.parameters()).device
     ids = torch.full((len(batch), longest), 0, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(batch):  # left padding
@@ -83,8 +90,8 @@ def _hf_generate(model, batch, max_new_tokens) -> int:
         mask[i, longest - len(r.prompt_token_ids) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            ids,
-            attention_mask=mask,
+            ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
@@ -94,10 +101,11 @@ def _hf_generate(model, batch, max_new_tokens) -> int:
     return (out.shape[1] - longest) * len(batch)
 
 
-def run_hf(model_dir: Path, requests, batch_size: int) -> tuple[float, int]:
+def run_hf(model_dir: Path, requests, batch_size: int, device: str, dtype: str) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).eval()
+    model.to(torch.device(device))
     _hf_generate(model, requests[:2], 4)  # warm-up
     start = time.perf_counter()
     produced = 0
@@ -105,6 +113,12 @@ def run_hf(model_dir: Path, requests, batch_size: int) -> tuple[float, int]:
         batch = requests[i : i + batch_size]
         produced += _hf_generate(model, batch, max(r.output_tokens for r in batch))
     return time.perf_counter() - start, produced
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -123,6 +137,8 @@ def main(argv=None) -> None:
         "--one-at-a-time", type=int, default=8, help="requests timed for the one-at-a-time baseline (0: skip)"
     )
     ap.add_argument("--skip-hf", action="store_true", help="engine only (for profiling)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the engine then runs its Triton attention")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -132,19 +148,19 @@ def main(argv=None) -> None:
         f"workload {spec['name']}: {len(requests)} requests, "
         f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
         f"{sum(r.output_tokens for r in requests)} output tokens; model hidden {BENCH_SPEC.hidden_size}, "
-        f"{BENCH_SPEC.num_layers} layers, vocab {BENCH_SPEC.vocab_size}, float32; torch threads {args.threads}; "
-        f"{platform.processor() or platform.machine()}"
+        f"{BENCH_SPEC.num_layers} layers, vocab {BENCH_SPEC.vocab_size}, {args.dtype}; torch threads {args.threads}; "
+        f"{device_name(args.device)}"
     )
 
     rows = []
     secs, toks = run_engine(model_dir, requests, args)
     rows.append(("shapeserve engine (continuous batching, paged KV)", secs, toks))
     if not args.skip_hf:
-        secs, toks = run_hf(model_dir, requests, args.hf_batch_size)
+        secs, toks = run_hf(model_dir, requests, args.hf_batch_size, args.device, args.dtype)
         rows.append((f"transformers static batching (batch {args.hf_batch_size}, left-padded)", secs, toks))
         if args.one_at_a_time:
             subset = requests[: args.one_at_a_time]
-            secs, toks = run_hf(model_dir, subset, 1)
+            secs, toks = run_hf(model_dir, subset, 1, args.device, args.dtype)
             rows.append((f"transformers one at a time (first {len(subset)} requests)", secs, toks))
 
     base = rows[1][2] / rows[1][1] if len(rows) > 1 else None
