@@ -3,6 +3,7 @@
     python -m bench.kernels                      # CUDA if present, else CPU (Triton interpreter)
     python -m bench.kernels --device cpu --torch-only
     python -m bench.kernels --device cuda --batch 64 --context 2048 --dtype bfloat16
+    python -m bench.kernels --device cuda --batch 16 --context 4096 --partition-size 512
 
 Prints a markdown table: time per call, and for the memory-bound kernels the achieved bandwidth
 (decode: bytes of K and V read / time). On CUDA it also measures a plain device-to-device copy
@@ -48,6 +49,11 @@ class Row:
     max_err: float | None = None  # vs the torch reference
 
 
+#: CUDA calls timed back to back per repeat: one call between two events also times the host's launch of it
+#: (the wrappers' checks and allocations), which for a ~0.1 ms kernel read as a third of its time.
+CUDA_CALLS_PER_REPEAT = 10
+
+
 def timeit(fn, device: str, warmup: int, repeats: int) -> float:
     """Median milliseconds per call."""
     for _ in range(warmup):
@@ -55,12 +61,14 @@ def timeit(fn, device: str, warmup: int, repeats: int) -> float:
     times = []
     if device == "cuda":
         for _ in range(repeats):
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(CUDA_CALLS_PER_REPEAT):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / CUDA_CALLS_PER_REPEAT)
     else:
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -110,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-seqs", type=int, help="prefill sequences")
     ap.add_argument("--prefill-query", type=int, help="new tokens per prefill sequence (the rest is cached prefix)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--partition-size", type=int, help="Triton decode: positions per partition (default: the wrapper's choice)"
+    )
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 gives steadier times on a shared host)")
@@ -200,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row(name, "torch backend: host-built decode kernel", ms, **bw(ms), max_err=err(dec_native(), ref)))
     if not args.torch_only:
         out = torch.empty_like(q)
-        dec = lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, context, out=out)  # noqa: E731
+        dec = lambda: paged_decode_attention(  # noqa: E731
+            q, kc, vc, tables, lens, scale, context, out=out, partition_size=args.partition_size
+        )
         ms = t(dec)
         rows.append(Row(name, "triton", ms, **bw(ms), max_err=err(dec(), ref)))
     del kc, vc
@@ -247,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         f"heads {num_heads}/{kv_heads} x {head_dim}; block {bs}; "
         f"{mode}; torch threads {torch.get_num_threads()}; "
         f"median of {repeats} after {warmup} warmup"
+        + (f" (each repeat {CUDA_CALLS_PER_REPEAT} calls back to back)" if device == "cuda" else "")
     )
     print()
     print("| kernel | impl | ms | GB/s | of copy | max err vs ref |")
