@@ -72,7 +72,7 @@ def main() -> int:
                         BLOCK_G=16,
                         BLOCK_D=128,
                         TILE_N=32,
-                        PARTITION_SIZE=512,
+                        PARTITION_SIZE=1024,
                         SINGLE_PARTITION=single,
                         **dot,
                     ),
@@ -80,7 +80,7 @@ def main() -> int:
                 )
                 for single in (True, False)
             ),
-            (_decode_merge_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=4, PARTITION_SIZE=512), 2),
+            (_decode_merge_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=4, PARTITION_SIZE=1024), 2),
             (
                 _prefill_kernel,
                 dict(BLOCK_SIZE=16, GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_Q=16, BLOCK_D=128, TILE_N=32, **dot),

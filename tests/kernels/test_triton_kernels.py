@@ -159,12 +159,12 @@ def test_decode_split_matches_single_partition():
 
 def test_partition_size_fills_the_gpu_only_when_needed():
     # 64 x 8 programs already cover 132 SMs twice: the largest partitions.
-    assert choose_partition_size(64, 8, 2048, 132) == 512
+    assert choose_partition_size(64, 8, 2048, 132) == 1024
     # One sequence, 8 kv heads: split 2048 positions into ~33 partitions -> 64, clamped to 128.
     assert choose_partition_size(1, 8, 2048, 132) == 128
     assert choose_partition_size(4, 8, 4096, 132) == 512  # 9 partitions of 456 -> 512
     assert choose_partition_size(8, 4, 2048, 132) == 256  # 9 partitions of 228 -> 256
-    assert choose_partition_size(1, 8, 2048, None) == 512  # CPU / interpreter
+    assert choose_partition_size(1, 8, 2048, None) == 1024  # CPU / interpreter
 
 
 # ---- prefill ----
