@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--partition-size", type=int, help="Triton decode: positions per partition (default: the wrapper's choice)"
     )
+    ap.add_argument(
+        "--tile-n", type=int, help="Triton decode: K/V positions per tile (default: the wrapper's choice, 64 or 32)"
+    )
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--threads", type=int, help="torch CPU threads (1 gives steadier times on a shared host)")
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     t = lambda fn: timeit(fn, device, warmup, repeats)  # noqa: E731
 
     if not args.torch_only:
+        from cluster.engine.attention.triton import decode as triton_decode
         from cluster.engine.attention.triton.decode import paged_decode_attention
         from cluster.engine.attention.triton.kv_write import write_kv
         from cluster.engine.attention.triton.prefill import paged_prefill_attention
@@ -212,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.torch_only:
         out = torch.empty_like(q)
         dec = lambda: paged_decode_attention(  # noqa: E731
-            q, kc, vc, tables, lens, scale, context, out=out, partition_size=args.partition_size
+            q, kc, vc, tables, lens, scale, context, out=out, partition_size=args.partition_size, tile_n=args.tile_n
         )
         ms = t(dec)
-        rows.append(Row(name, "triton", ms, **bw(ms), max_err=err(dec(), ref)))
+        tiles = sorted(set(triton_decode._tile_for.values())) if args.tile_n is None else [args.tile_n]
+        label = f"triton (tile {'/'.join(map(str, tiles))})"  # the wrapper's choice: 64 unless it spills here
+        rows.append(Row(name, label, ms, **bw(ms), max_err=err(dec(), ref)))
     del kc, vc
 
     # ---- prefill: p_seqs chunks of p_query new tokens after a cached prefix ----

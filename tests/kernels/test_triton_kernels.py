@@ -23,9 +23,12 @@ from cluster.engine.attention.base import (
     write_kv_ref,
 )
 from cluster.engine.attention.torch_backend import TorchAttentionBackend
+from cluster.engine.attention.triton import decode
 from cluster.engine.attention.triton._common import check_device, interpreting
 from cluster.engine.attention.triton.backend import TritonAttentionBackend
 from cluster.engine.attention.triton.decode import (
+    NARROW_TILE,
+    WIDE_TILE,
     _decode_partition_kernel,
     choose_partition_size,
     paged_decode_attention,
@@ -141,6 +144,61 @@ def test_decode_matches_reference(block_size, head_dim, group, dtype, partition_
         query, k_cache, v_cache, tables, lens, scale, max(seq_lens), out=out, partition_size=partition_size
     )
     torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,partition_size", [(BF16, None), (F16, 64), (F32, 128)])
+def test_decode_wide_tile_matches_reference(dtype, partition_size):
+    # 64 positions per tile (what a GPU runs for 16-bit queries where it does not spill), over contexts that end
+    # mid-tile, fill one, and span several partitions.
+    g = _gen(77)
+    seq_lens = [5, 64, 64 + 16 + 3, 3 * 64 + 40]
+    k_cache, v_cache, tables = _paged_context(seq_lens, 16, 64, dtype, g)
+    query = _randn((len(seq_lens), KV_HEADS * 4, 64), dtype, g, strided=True)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens, 0.125)
+    out = _nan_like(ref)
+    paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, 0.125, max(seq_lens), out=out, partition_size=partition_size, tile_n=64
+    )
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+class _Compiled:
+    def __init__(self, n_spills: int):
+        self.n_spills = n_spills
+
+
+def test_decode_keeps_the_wide_tile_only_where_it_does_not_spill(monkeypatch, caplog):
+    monkeypatch.setattr(decode, "_tile_for", {})
+    decode._keep_tile(("fits",), WIDE_TILE, _Compiled(0))
+    with caplog.at_level("INFO", logger=decode.__name__):
+        decode._keep_tile(("spills",), WIDE_TILE, _Compiled(96))
+    decode._keep_tile(("interpreted",), NARROW_TILE, None)  # the interpreter's launch returns no compiled kernel
+    assert decode._tile_for == {("fits",): WIDE_TILE, ("spills",): NARROW_TILE, ("interpreted",): NARROW_TILE}
+    assert "64 positions per tile spill 96 bytes" in caplog.text and "using 32" in caplog.text
+
+
+def test_decode_tries_the_wide_tile_once_per_variant(monkeypatch):
+    # A 16-bit GPU query starts at 64; the kept choice is reused, not tried again. Where the variant spilled, the
+    # next launch runs 32.
+    launched: list[int] = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, TILE_N, **kwargs):
+                launched.append(TILE_N)
+                return _Compiled(128 if TILE_N == WIDE_TILE else 0)
+
+            return launch
+
+    monkeypatch.setattr(decode, "_tile_for", {})
+    monkeypatch.setattr(decode, "_decode_partition_kernel", Launcher())
+    monkeypatch.setattr(decode, "check_device", lambda *a: None)
+    monkeypatch.setattr(decode, "_first_tile", lambda q: WIDE_TILE)
+    args = _small()
+    for _ in range(3):
+        paged_decode_attention(**args, scale=0.125, max_seq_len=20, partition_size=128)
+    assert launched == [WIDE_TILE, NARROW_TILE, NARROW_TILE]
 
 
 def test_decode_split_matches_single_partition():
@@ -292,6 +350,7 @@ def _small(dtype=F32):
         (lambda a: a.update(v_cache=a["v_cache"][:, :8]), "v_cache has shape"),
         (lambda a: a.update(query=a["query"].transpose(1, 2).contiguous().transpose(1, 2)), "stride 1"),
         (lambda a: a.update(partition_size=48), "partition_size must be a power of two"),
+        (lambda a: a.update(tile_n=8), "tile_n must be a power of two >= 16"),
         (lambda a: a.update(max_seq_len=100), "fewer than max_seq_len 100"),
         (lambda a: a.update(out=torch.empty(2, 4, 64, dtype=F16, device=DEVICE)), "out has dtype float16"),
     ],

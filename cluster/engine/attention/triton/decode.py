@@ -16,6 +16,7 @@ Torch reference: ``cluster.engine.attention.paged_decode_attention_ref``.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -37,6 +38,15 @@ from cluster.engine.attention.triton._common import (
 LOG2E = 1.4426950408889634
 MAX_PARTITION_SIZE = 1024
 MIN_PARTITION_SIZE = 128
+#: K/V positions per tile. 64 halves the loop's trips: on an H200 (Triton 3.6, bf16, head dim 128) decode read KV
+#: at 0.93 of a device copy against 0.82 with 32 (docs/benchmarks.md). Whether it fits the registers depends on the
+#: Triton version and on what a launch specializes (an unspecialized sm_90 compile spills at 64 under Triton 3.6
+#: and 3.9, a launch under 3.6 does not), so the wrapper asks each compiled variant (``_keep_tile``); 32 spills
+#: in none (``python -m tests.kernels.compile_sm90``).
+WIDE_TILE = 64
+NARROW_TILE = 32
+
+log = logging.getLogger(__name__)
 
 
 def choose_partition_size(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int | None) -> int:
@@ -53,6 +63,32 @@ def choose_partition_size(num_seqs: int, kv_heads: int, max_seq_len: int, num_sm
 
 
 _num_sms: dict[int, int] = {}
+#: The tile each compiled variant of the partition kernel runs with, once its wide tile was tried: keyed by what
+#: the variant is compiled for (device, dtype and the constexprs that shape its registers). Triton also specializes
+#: on argument alignment, which the key leaves out: such a sibling runs the tile its variant kept, at worst slower.
+_tile_for: dict[tuple, int] = {}
+
+
+def _first_tile(query: torch.Tensor) -> int:
+    """The tile a variant is tried with first: the wide one for 16-bit queries on a GPU (fp32's ieee dots need
+    twice the registers, and the interpreter gains nothing from it)."""
+    return WIDE_TILE if query.is_cuda and query.dtype != torch.float32 else NARROW_TILE
+
+
+def _keep_tile(key: tuple, tile_n: int, compiled: object) -> None:
+    """After a variant's first launch: keep its tile unless the compiler spilled registers for it."""
+    spills = getattr(compiled, "n_spills", 0) or 0
+    if tile_n > NARROW_TILE and spills:
+        log.info(
+            "Triton decode kernel: %d positions per tile spill %d bytes of registers with Triton %s on this GPU; "
+            "using %d",
+            tile_n,
+            spills,
+            triton.__version__,
+            NARROW_TILE,
+        )
+        tile_n = NARROW_TILE
+    _tile_for[key] = tile_n
 
 
 def _sm_count(device: torch.device) -> int | None:
@@ -221,11 +257,14 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
+    tile_n: int | None = None,
 ) -> torch.Tensor:
     """Attends one query token per sequence to its whole context. Does not modify the caches.
 
     ``max_seq_len`` (host int, >= every seq_len) sizes the grid without a device sync.
     Every ``seq_lens`` entry must be >= 1. Returns ``out`` (allocated when None).
+    ``tile_n``: K/V positions per tile (a power of two >= 16); by default 64 for 16-bit queries on a GPU where the
+    kernel compiles without register spills (checked at each compiled variant's first launch), else 32.
     """
     # query: [num_seqs, num_heads, head_dim]
     # k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]
@@ -255,16 +294,19 @@ def paged_decode_attention(
         partition_size = choose_partition_size(num_seqs, kv_heads, max_seq_len, _sm_count(query.device))
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    if tile_n is not None and (tile_n < 16 or tile_n & (tile_n - 1)):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
     if num_seqs == 0:
         return out
 
     group = num_heads // kv_heads
     num_parts = math.ceil(max_seq_len / partition_size)
     single = num_parts == 1
-    # 32 positions per tile: 64 spills registers at head_dim 128 (sm_90 cubin, 4 or 8 warps, Triton 3.9).
-    tile_n = min(32, partition_size)
     block_d = max(16, next_pow2(head_dim))
     block_g = max(16, next_pow2(group))  # tl.dot needs >= 16 rows
+    variant = (query.device, query.dtype, block_size, group, head_dim, partition_size, single)
+    trying = tile_n is None and variant not in _tile_for
+    tile = min(tile_n or _tile_for.get(variant) or _first_tile(query), partition_size)
     if single:
         part_out = part_max = part_sum = out  # unused placeholders
         ps: tuple[int, ...] = (0, 0, 0)
@@ -273,7 +315,7 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
         part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=query.device)
         ps = part_max.stride()
-    _decode_partition_kernel[(num_seqs, kv_heads, num_parts)](
+    compiled = _decode_partition_kernel[(num_seqs, kv_heads, num_parts)](
         out,
         part_out,
         part_max,
@@ -301,13 +343,15 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
-        TILE_N=tile_n,
+        TILE_N=tile,
         PARTITION_SIZE=partition_size,
         SINGLE_PARTITION=single,
         **dot_config(_decode_partition_kernel, query.dtype),
         # fp32 (ieee dot) spills at 4 warps; 16-bit fits in ~190 registers (sm_90 cubin).
         num_warps=8 if query.dtype == torch.float32 else 4,
     )
+    if trying:
+        _keep_tile(variant, tile, compiled)
     if not single:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out,
