@@ -54,7 +54,8 @@ def choose_partition_size(num_seqs: int, kv_heads: int, max_seq_len: int, num_sm
 
     Large batches already fill the GPU, so partitions stay at 1024 (few partials to merge; on an H200, bf16, tiles
     of 32 positions, ``python -m bench.kernels --partition-size``: 64 x 2048 positions read KV at 0.82 of a device
-    copy with 1024, 0.77 with 512); small batches with long contexts split further, down to 128, so every SM streams KV."""
+    copy with 1024, 0.77 with 512); small batches with long contexts split further, down to 128, so every SM
+    streams KV."""
     if not num_sms:
         return MAX_PARTITION_SIZE
     parts = math.ceil(2 * num_sms / max(1, num_seqs * kv_heads))
